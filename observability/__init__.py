@@ -1,0 +1,1 @@
+"""Logging, tracing and metrics set-up shared by every service."""

@@ -1,0 +1,69 @@
+"""Tasks: what a generator is asked to sample, published by ``rlbus publish`` or a feeder."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.base import Message, array_field, ArraySpec, invalid
+
+import numpy as np
+
+I32 = array_field(ArraySpec("<i4"))
+
+
+@dataclass(frozen=True)
+class SamplingParams(Message):
+    """How tokens are drawn.  Travels with the task *and* the rollout: the trainer recomputes
+    logprobs of the same processed distribution (temperature, top-p) the generator sampled from,
+    so the two sides cannot silently compare different distributions."""
+
+    KIND = "sampling"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise invalid(self, "temperature", "must be finite and >= 0 (0 = greedy)", got=str(self.temperature))
+        if not (0.0 < self.top_p <= 1.0):
+            raise invalid(self, "top_p", "must be in (0, 1]", got=str(self.top_p))
+        if self.max_new_tokens < 1:
+            raise invalid(self, "max_new_tokens", "must be >= 1", got=str(self.max_new_tokens))
+
+
+@dataclass(frozen=True)
+class Task(Message):
+    """One prompt to be sampled ``group_size`` times.
+
+    Either ``prompt`` (text, tokenised by the environment/generator) or ``prompt_ids`` is given.
+    ``answer`` is the verifier's reference; it never reaches the policy.
+    """
+
+    KIND = "task"
+    run: str
+    task_id: str
+    pool: str
+    env: str
+    prompt: str = ""
+    prompt_ids: I32 = field(default_factory=lambda: np.zeros(0, dtype="<i4"))
+    env_config: dict[str, Any] = field(default_factory=dict)
+    answer: str = ""
+    verifier: str = ""  # empty: the environment's default verifier
+    group_size: int = 8
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    eval: bool = False  # held-out evaluation: scored and reported, never trained on
+
+    def validate(self) -> None:
+        if not self.task_id:
+            raise invalid(self, "task_id", "must be a non-empty string")
+        if not self.prompt and len(self.prompt_ids) == 0:
+            raise invalid(self, "prompt", "the task has an empty prompt: give 'prompt' text or 'prompt_ids'")
+        if not 1 <= self.group_size <= 1024:
+            raise invalid(self, "group_size", "must be in [1, 1024]", got=str(self.group_size))
+        if not self.env:
+            raise invalid(self, "env", "must name an environment (e.g. 'addition')")
