@@ -1,0 +1,125 @@
+"""Every subject, stream, consumer and bucket name of a run, built in one place.
+
+One run is one namespace ``rl.<run>.…``; no other module spells a subject, so renaming a
+subject or adding a run prefix is a change here and nowhere else.  Names are validated
+because a ``.`` or a wildcard smuggled into a run or pool name would silently widen a
+subscription to another run's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class SubjectError(ValueError):
+    """A run, pool, service or instance name cannot be used as a subject token."""
+
+
+def _token(kind: str, value: str) -> str:
+    if not _TOKEN.match(value):
+        raise SubjectError(
+            f"{kind} {value!r} is not a valid subject token: use 1-64 characters of "
+            "letters, digits, '_' or '-' (no dots, spaces or wildcards)"
+        )
+    return value
+
+
+# Stream names are global on a server, so they carry the run too.
+STREAM_KINDS = ("TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "CONTROL", "METRICS", "DEAD")
+
+
+@dataclass(frozen=True)
+class Subjects:
+    """The names of one run.  ``Subjects("demo").tasks("math")`` -> ``rl.demo.tasks.math``."""
+
+    run: str
+
+    def __post_init__(self) -> None:
+        _token("run", self.run)
+
+    @property
+    def root(self) -> str:
+        return f"rl.{self.run}"
+
+    # --- work streams -------------------------------------------------------------
+    def tasks(self, pool: str) -> str:
+        return f"{self.root}.tasks.{_token('pool', pool)}"
+
+    def rollouts(self, pool: str) -> str:
+        return f"{self.root}.rollouts.{_token('pool', pool)}"
+
+    def scored(self, pool: str) -> str:
+        return f"{self.root}.scored.{_token('pool', pool)}"
+
+    def weights(self, model: str) -> str:
+        return f"{self.root}.weights.{_token('model', model)}"
+
+    def weight_uploads(self, model: str) -> str:
+        """Trainer -> weight-broadcast hand-off of a freshly written version (same WEIGHTS stream)."""
+        return f"{self.root}.weights.{_token('model', model)}.upload"
+
+    def control(self, service: str, instance: str = "all") -> str:
+        return f"{self.root}.control.{_token('service', service)}.{_token('instance', instance)}"
+
+    def metrics(self, service: str, instance: str) -> str:
+        return f"{self.root}.metrics.{_token('service', service)}.{_token('instance', instance)}"
+
+    def metrics_of(self, service: str = "*") -> str:
+        """Every instance of one service (or of all services with ``"*"``)."""
+        svc = service if service == "*" else _token("service", service)
+        return f"{self.root}.metrics.{svc}.*"
+
+    def dead(self, origin: str) -> str:
+        return f"{self.root}.dead.{_token('origin', origin)}"
+
+    def env(self, name: str, op: str) -> str:
+        if op not in ("reset", "step"):
+            raise SubjectError(f"environment op {op!r} must be 'reset' or 'step'")
+        return f"{self.root}.env.{_token('env', name)}.{op}"
+
+    def env_any(self, op: str) -> str:
+        """Every environment's ``op`` subject: the environment service answers unknown names too,
+        with an error that lists the registered ones."""
+        if op not in ("reset", "step"):
+            raise SubjectError(f"environment op {op!r} must be 'reset' or 'step'")
+        return f"{self.root}.env.*.{op}"
+
+    # --- wildcards used by stream declarations and fan-in consumers ---------------
+    def all_of(self, kind: str) -> str:
+        """``rl.<run>.<kind>.>`` — every subject of one stream."""
+        return f"{self.root}.{kind}.>"
+
+    # --- streams, consumers, buckets -------------------------------------------------
+    def stream(self, kind: str) -> str:
+        if kind not in STREAM_KINDS:
+            raise SubjectError(f"unknown stream kind {kind!r}; expected one of {STREAM_KINDS}")
+        return f"RL_{self.run}_{kind}".replace("-", "_")
+
+    def durable(self, role: str, pool: str | None = None) -> str:
+        name = f"{_token('role', role)}" + (f"_{_token('pool', pool)}" if pool else "")
+        return name.replace("-", "_")
+
+    @property
+    def object_bucket(self) -> str:
+        """Object store bucket for weight bytes and claim-checked payloads."""
+        return f"rl_{self.run}_objects".replace("-", "_")
+
+    @property
+    def env_queue_group(self) -> str:
+        return "environment"
+
+
+def split_metrics_subject(subject: str) -> tuple[str, str]:
+    """``rl.<run>.metrics.<service>.<instance>`` -> (service, instance)."""
+    parts = subject.split(".")
+    if len(parts) < 5 or parts[2] != "metrics":
+        raise SubjectError(f"{subject!r} is not a metrics subject")
+    return parts[3], parts[4]
+
+
+def pool_of(subject: str) -> str:
+    """The last token of a per-pool subject (tasks, rollouts, scored)."""
+    return subject.rsplit(".", 1)[-1]
