@@ -1,0 +1,128 @@
+"""weight-broadcast service — verify, version and announce new policy weights.
+
+consumes:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  durable 'broadcast'
+           rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use
+produces:  rl.<run>.weights.<model>         (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
+           the newest message on that subject is the ``latest`` pointer late joiners read
+waits for: the trainer's uploads
+A shard whose sha256 does not match is refused: the upload goes to DEAD with the reason and the
+previous version stays current.  Versions beyond ``keep_versions`` are deleted once no generator
+heartbeat reports using them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from schemas import Heartbeat, SchemaError, WeightManifest
+from services.broadcast.settings import BroadcastSettings
+from services.runtime.config import RunSettings
+from services.runtime.heartbeat import Beat
+from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
+
+from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
+from bus.subjects import Subjects
+from observability.logging import get_logger
+
+log = get_logger()
+
+
+class Broadcaster:
+    def __init__(self, transport: WeightTransport, cfg: BroadcastSettings) -> None:
+        self.transport = transport
+        self.cfg = cfg
+        self.published: dict[int, WeightManifest] = {}
+        self.latest = -1
+        self.in_use: dict[str, tuple[int, float]] = {}  # generator instance -> (version, seen at)
+        self.refused = 0
+        self.deleted = 0
+        self.verify_seconds = 0.0
+
+    async def accept(self, upload: WeightManifest) -> WeightManifest | None:
+        """Verify every shard; return the manifest to publish, or None for a duplicate."""
+        if upload.version <= self.latest:
+            log.info("weights_duplicate_upload", version=upload.version, latest=self.latest)
+            return None
+        if upload.transport != self.transport.name:
+            raise Poison(f"upload v{upload.version} uses transport {upload.transport!r} but this "
+                         f"broadcast serves {self.transport.name!r}; align [broadcast].transport and the trainer")
+        t0 = time.perf_counter()
+        for shard in upload.shards:
+            try:
+                await self.transport.read(shard)
+            except WeightIntegrityError as exc:
+                self.refused += 1
+                raise Poison(str(exc)) from None
+            except (FileNotFoundError, KeyError) as exc:
+                self.refused += 1
+                raise Poison(f"upload v{upload.version}: shard {shard.location!r} is missing ({exc})") from None
+        self.verify_seconds += time.perf_counter() - t0
+        published = WeightManifest(model=upload.model, version=upload.version, transport=upload.transport,
+                                   shards=upload.shards, tensors=upload.tensors, trainer_step=upload.trainer_step,
+                                   created_at=time.time(), state="published")
+        return published
+
+    def mark_published(self, manifest: WeightManifest) -> None:
+        self.published[manifest.version] = manifest
+        self.latest = max(self.latest, manifest.version)
+
+    def note_generator(self, hb: Heartbeat) -> None:
+        if hb.service == "generator" and hb.version >= 0:
+            self.in_use[hb.instance] = (hb.version, time.time() if hb.state != "stopped" else 0.0)
+
+    def deletable(self) -> list[int]:
+        now = time.time()
+        used = {v for v, seen in self.in_use.values() if now - seen < self.cfg.in_use_ttl}
+        keep = set(sorted(self.published)[-self.cfg.keep_versions:])
+        return [v for v in sorted(self.published) if v not in keep and v not in used]
+
+    async def collect_garbage(self) -> None:
+        for version in self.deletable():
+            manifest = self.published.pop(version)
+            for shard in manifest.shards:
+                await self.transport.delete(shard)
+            self.deleted += 1
+            log.info("weights_deleted", version=version)
+
+    def metrics(self) -> dict[str, float]:
+        return {"broadcast/latest": self.latest, "broadcast/retained": len(self.published),
+                "broadcast/refused": self.refused, "broadcast/deleted": self.deleted,
+                "broadcast/verify_seconds": self.verify_seconds}
+
+
+async def run(run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle) -> None:
+    subjects = Subjects(run_cfg.run)
+    b = Broadcaster(make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir), cfg)
+    latest_raw = await bus.last(subjects.weights(run_cfg.model_name))
+    if latest_raw is not None:
+        latest = WeightManifest.decode(latest_raw)
+        b.mark_published(latest)
+        log.info("broadcast_resumed", latest=latest.version)
+    beat = Beat(bus, subjects, "broadcast", cfg.instance)
+    beat.extra = b.metrics
+
+    async def on_upload(upload: WeightManifest, d: Delivery[WeightManifest]) -> None:
+        manifest = await b.accept(upload)
+        if manifest is None:
+            return
+        await bus.publish(subjects.weights(run_cfg.model_name), manifest.encode(),
+                          msg_id=f"weights.{manifest.model}.v{manifest.version}")
+        b.mark_published(manifest)
+        beat.version = manifest.version
+        log.info("weights_published", version=manifest.version, shards=len(manifest.shards))
+        await b.collect_garbage()
+
+    async def watch_generators() -> None:
+        async for d in bus.watch(subjects.metrics_of("generator"), deliver="new"):
+            try:
+                b.note_generator(Heartbeat.decode(d.msg))
+            except SchemaError as exc:
+                log.warning("bad_heartbeat", error=str(exc))
+
+    spec = ConsumerSpec(stream="WEIGHTS", durable=subjects.durable("broadcast"),
+                        filter_subjects=(subjects.weight_uploads(run_cfg.model_name),), ack_wait=120, max_deliver=3,
+                        max_ack_pending=4)
+    beat.state = "running"
+    await run_until_stopped(life, lambda: beat.loop(life), watch_generators,
+                            lambda: bus.consume(spec, WeightManifest.decode, on_upload, batch=1))

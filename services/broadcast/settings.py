@@ -1,0 +1,14 @@
+"""Settings of the weight-broadcast service ([broadcast] table)."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.runtime.config import Settings
+
+
+class BroadcastSettings(Settings):
+    instance: str = Field("broadcast-0", description="Instance name (metrics subject token).")
+    transport: Literal["objstore", "file"] = Field("objstore", description="Where weight bytes live.")
+    keep_versions: int = Field(3, ge=1, le=100, description="Versions retained; older ones are deleted once no generator uses them.")
+    in_use_ttl: float = Field(15.0, gt=0, description="Seconds a generator heartbeat keeps its version 'in use'.")

@@ -1,0 +1,94 @@
+"""The ``rlbus`` command line.  Thin: parse arguments, then call one command function.
+
+Imports are deferred into each command so ``rlbus status`` does not pay for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlbus", description="Asynchronous RL post-training over NATS JetStream.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    up = sub.add_parser("up", help="run a whole pipeline on an embedded NATS server (the main job)")
+    up.add_argument("config", nargs="?", help="run config TOML (optional; defaults learn 3-digit addition)")
+    up.add_argument("--backend", choices=["torch", "vllm"], default=None, help="generator backend")
+    up.add_argument("--steps", type=int, default=None, help="stop after this many trainer steps")
+    up.add_argument("--run-dir", default=None, help="where the run folder goes (default runs/<run>-<time>)")
+    up.add_argument("--no-view", action="store_true", help="plain log lines instead of the live view")
+
+    serve = sub.add_parser("serve", help="run one service")
+    serve.add_argument("service", help="generator | environment | reward | trainer | broadcast | controller")
+    serve.add_argument("--config", default=None, help="run config TOML")
+    serve.add_argument("--nats-url", default=None, help="override [run].nats_url")
+
+    nats = sub.add_parser("nats", help="run the embedded nats-server with JetStream in the foreground")
+    nats.add_argument("--store", default="runs/nats", help="JetStream store directory")
+    nats.add_argument("--port", type=int, default=4222, help="client port (-1 = random)")
+
+    pub = sub.add_parser("publish", help="validate and publish a JSONL task file")
+    pub.add_argument("file")
+    pub.add_argument("--pool", required=True)
+    pub.add_argument("--run", default="demo")
+    pub.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    pub.add_argument("--group-size", type=int, default=None, help="default group size for lines without one")
+    pub.add_argument("--skip-invalid", action="store_true", help="publish the valid lines even if some are bad")
+
+    streams = sub.add_parser("streams", help="stream and consumer state of a run")
+    streams.add_argument("--run", default="demo")
+    streams.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    streams.add_argument("--json", action="store_true")
+
+    status = sub.add_parser("status", help="live table of every service instance of a run")
+    status.add_argument("--run", default="demo")
+    status.add_argument("--nats-url", default="nats://127.0.0.1:4222")
+    status.add_argument("--json", action="store_true", help="one JSON snapshot and exit")
+    status.add_argument("--seconds", type=float, default=2.0, help="how long to listen for heartbeats")
+
+    init = sub.add_parser("init-model", help="build the small warm-started policy as a Hugging Face folder")
+    init.add_argument("--out", default="models/tiny-addition")
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--target", type=float, default=0.30, help="held-out accuracy at which the warm start stops")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cmd == "serve":
+        from services.serve import serve
+
+        return serve(args.service, args.config, args.nats_url)
+    if args.cmd == "up":
+        from services.up.main import up
+
+        return up(args.config, backend=args.backend, steps=args.steps, run_dir=args.run_dir, view=not args.no_view)
+    if args.cmd == "nats":
+        from services.commands.nats import run_nats
+
+        return run_nats(args.store, args.port)
+    if args.cmd == "publish":
+        from services.commands.publish import publish
+
+        return publish(args.file, pool=args.pool, run=args.run, nats_url=args.nats_url, group_size=args.group_size,
+                       skip_invalid=args.skip_invalid)
+    if args.cmd == "streams":
+        from services.commands.streams import streams
+
+        return streams(args.run, args.nats_url, as_json=args.json)
+    if args.cmd == "status":
+        from services.commands.status import status
+
+        return status(args.run, args.nats_url, as_json=args.json, seconds=args.seconds)
+    if args.cmd == "init-model":
+        from services.commands.init_model import init_model_cmd
+
+        return init_model_cmd(args.out, seed=args.seed, target=args.target)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""environment service — request/reply environments for generators.
+
+consumes:  rl.<run>.env.<name>.reset  (EnvReset)  core request/reply, queue group 'environment'
+           rl.<run>.env.<name>.step   (EnvStep)
+produces:  EnvReply to the requester (observation tokens, done, error)
+waits for: nothing; stateless per request, so replicas scale by queue group
+An unknown environment name or a bad task gets an EnvReply with ``error`` set (the generator
+dead-letters the task with that reason); the service never dies on bad input.
+"""
+
+from __future__ import annotations
+
+from schemas import EnvReply, EnvReset, EnvStep, SchemaError
+from services.environment.envs import ENVIRONMENTS, EnvError, Environment
+from services.environment.settings import EnvironmentSettings
+from services.runtime.config import RunSettings
+from services.runtime.heartbeat import Beat
+from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from services.runtime.registry import UnknownExtension
+from services.runtime.tokens import TextCodec
+
+from bus.protocol import Bus
+from bus.subjects import Subjects
+from observability.logging import get_logger
+
+log = get_logger()
+
+
+class EnvironmentServer:
+    def __init__(self, codec: TextCodec) -> None:
+        self.codec = codec
+        self._envs: dict[str, Environment] = {}
+        self.served = 0
+        self.errors = 0
+
+    def env(self, name: str) -> Environment:
+        if name not in self._envs:
+            self._envs[name] = ENVIRONMENTS.create(name, codec=self.codec)
+        return self._envs[name]
+
+    def _answer(self, fn) -> EnvReply:  # type: ignore[no-untyped-def]
+        try:
+            reply = fn()
+            self.served += 1
+            return reply
+        except (SchemaError, EnvError, UnknownExtension) as exc:
+            self.errors += 1
+            log.warning("env_request_rejected", error=str(exc))
+            return EnvReply(episode_id="", error=str(exc))
+
+    async def handle_reset(self, data: bytes) -> bytes:
+        def go() -> EnvReply:
+            req = EnvReset.decode(data)
+            return self.env(req.task.env).reset(req.task, req.task.task_id)
+
+        return self._answer(go).encode()
+
+    async def handle_step(self, data: bytes) -> bytes:
+        def go() -> EnvReply:
+            req = EnvStep.decode(data)
+            return self.env(req.task.env).step(req.task, req.episode_id, req.action_ids, req.action_text)
+
+        return self._answer(go).encode()
+
+
+async def run(run_cfg: RunSettings, cfg: EnvironmentSettings, *, bus: Bus, life: Lifecycle) -> None:
+    subjects = Subjects(run_cfg.run)
+    server = EnvironmentServer(TextCodec.from_folder(run_cfg.model_path))
+    beat = Beat(bus, subjects, "environment", cfg.instance)
+    beat.extra = lambda: {"environment/served": server.served, "environment/errors": server.errors}
+    await bus.serve(subjects.env_any("reset"), server.handle_reset, queue=subjects.env_queue_group)
+    await bus.serve(subjects.env_any("step"), server.handle_step, queue=subjects.env_queue_group)
+    beat.state = "running"
+    log.info("environment_ready", envs=ENVIRONMENTS.names())
+    await run_until_stopped(life, lambda: beat.loop(life))

@@ -1,0 +1,119 @@
+"""Typed, strict configuration: one settings class per service, loaded TOML -> env.
+
+A run config is one TOML file with a ``[run]`` table shared by every service and one table
+per service (``[trainer]``, ``[generator]`` …).  Environment variables override it:
+``RLBUS_RUN__MAX_STALENESS=2`` or ``RLBUS_TRAINER__LR=1e-4``.  Unknown keys are errors
+(``extra="forbid"``) whose message names the key and lists the valid ones, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+S = TypeVar("S", bound="Settings")
+
+_SECRET_WORDS = ("password", "token", "secret", "creds", "nkey")
+
+
+class ConfigError(ValueError):
+    """A configuration file or variable is wrong; the message says which key and how to fix it."""
+
+
+class Settings(BaseModel):
+    """Base of every settings class: strict, frozen, documented field by field."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+    def redacted(self) -> dict[str, Any]:
+        """The resolved config for the start-up log, with secrets masked."""
+        out = self.model_dump(mode="json")
+        for key in list(out):
+            if any(w in key.lower() for w in _SECRET_WORDS) and out[key]:
+                out[key] = "***"
+        return out
+
+
+class RunSettings(Settings):
+    """What every service of one run agrees on.  Few primary knobs; the rest is derived."""
+
+    run: str = Field("demo", description="Run name: the namespace rl.<run>.… of every subject and stream.")
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL (rlbus up sets it to its embedded server).")
+    model_name: str = Field("policy", description="Logical model name: the WEIGHTS subject token.")
+    model_path: str = Field("models/tiny-addition", description="Hugging Face folder of the initial policy.")
+    pools: list[str] = Field(default_factory=lambda: ["train"], description="Task pools that are trained on.")
+    eval_pool: str = Field("eval", description="Pool of held-out tasks: scored and reported, never trained on.")
+    group_size: int = Field(8, ge=1, le=1024, description="Samples per task (GRPO group).")
+    batch_groups: int = Field(32, ge=1, description="Groups per optimiser step (prompts per step).")
+    max_staleness: int = Field(1, ge=0, le=64, description="Max policy versions between sampling and training (0 = on-policy).")
+    run_dir: str = Field("runs/demo", description="Where metrics.jsonl, checkpoints, report.png and the final policy go.")
+
+    @field_validator("run", "model_name")
+    @classmethod
+    def _token(cls, v: str) -> str:
+        from bus.subjects import Subjects
+
+        Subjects(v)  # raises with a clear message on dots/wildcards
+        return v
+
+    @property
+    def batch_samples(self) -> int:
+        return self.batch_groups * self.group_size
+
+    @property
+    def admission_window_groups(self) -> int:
+        """Groups that may be accepted or running beyond what the trainer consumed."""
+        return (self.max_staleness + 1) * self.batch_groups
+
+
+def _env_overrides(section: str) -> dict[str, Any]:
+    prefix = f"RLBUS_{section.upper()}__"
+    out: dict[str, Any] = {}
+    for key, raw in os.environ.items():
+        if key.startswith(prefix):
+            name = key[len(prefix):].lower()
+            try:
+                out[name] = tomllib.loads(f"v = {raw}")["v"]
+            except tomllib.TOMLDecodeError:
+                out[name] = raw  # a bare string
+    return out
+
+
+def read_toml(path: str | Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"config file {p} does not exist; pass an existing TOML file or omit --config")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {p} is not valid TOML: {exc}") from None
+
+
+def load_section(cls: type[S], data: dict[str, Any], section: str) -> S:
+    """Build ``cls`` from ``data[section]`` plus ``RLBUS_<SECTION>__*`` variables."""
+    values = dict(data.get(section, {}))
+    values.update(_env_overrides(section))
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            key = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                valid = ", ".join(sorted(cls.model_fields))
+                lines.append(f"[{section}] unknown key '{key}'; valid keys: {valid}")
+            else:
+                lines.append(f"[{section}] {key}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def load(path: str | Path | None, service_cls: type[S], section: str) -> tuple[RunSettings, S]:
+    data = read_toml(path)
+    return load_section(RunSettings, data, "run"), load_section(service_cls, data, section)

@@ -1,0 +1,143 @@
+"""``rlbus up``: the whole pipeline on one machine on an embedded NATS server.
+
+build/load the model -> write the task sets -> start nats-server -> start the six services as
+separate processes -> publish the tasks -> watch (live view, metrics.jsonl) -> stop everything
+by pid -> report.png and the final policy as a Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
+from services.up.procs import Children
+from services.up.settings import UpSettings
+from services.up.tomlw import dumps
+
+SERVICE_SECTIONS = ("generator", "environment", "reward", "trainer", "broadcast", "controller")
+
+
+def ensure_model(path: Path, up_cfg: UpSettings) -> None:
+    if (path / "config.json").exists():
+        return
+    print(f"rlbus up: building the warm-started policy at {path} (once; ~1 min) …", flush=True)
+    subprocess.run([sys.executable, "-m", "services.cli", "init-model", "--out", str(path), "--seed",
+                    str(up_cfg.seed), "--target", str(up_cfg.init_target)], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
+    from services.tasks.addition import make_split, write_jsonl
+
+    train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
+    write_jsonl(train, make_split("train", up_cfg.train_tasks, up_cfg.seed))
+    write_jsonl(heldout, make_split("heldout", up_cfg.eval_tasks, up_cfg.seed))
+    return train, heldout
+
+
+def export_final_policy(run_cfg: RunSettings, run_dir: Path) -> Path | None:
+    """The trainer's latest checkpoint as a Hugging Face folder (config + tokenizer copied)."""
+    pointer = run_dir / "checkpoints" / "latest"
+    if not pointer.exists():
+        return None
+    ckpt = run_dir / "checkpoints" / json.loads(pointer.read_text())["checkpoint"]
+    out = run_dir / "final_policy"
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(run_cfg.model_path, out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "rlbus_model.json"))
+    shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
+    state = json.loads((ckpt / "state.json").read_text())
+    (out / "rlbus_checkpoint.json").write_text(json.dumps(
+        {"from_checkpoint": ckpt.name, "step": state["step"], "version": state["version"]}))
+    return out
+
+
+async def publish_tasks(url: str, run_cfg: RunSettings, train: Path, up_cfg: UpSettings) -> int:
+    from bus.jetstream import JetStreamBus
+    from bus.subjects import Subjects
+    from schemas import SamplingParams
+    from services.runtime.taskfile import read_task_file
+
+    sampling = SamplingParams(temperature=up_cfg.temperature, max_new_tokens=up_cfg.max_new_tokens)
+    tasks, errors = read_task_file(train, run=run_cfg.run, pool=run_cfg.pools[0], group_size=run_cfg.group_size,
+                                   sampling=sampling)
+    if errors:
+        raise ConfigError(f"generated task file {train} has invalid lines: {errors[:3]}")
+    subjects = Subjects(run_cfg.run)
+    bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-publish")
+    try:
+        for start in range(0, len(tasks), 1024):
+            chunk = tasks[start:start + 1024]
+            await bus.publish_many([(subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in chunk])
+    finally:
+        await bus.close()
+    return len(tasks)
+
+
+def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: str | None, view: bool) -> int:
+    try:
+        data = read_toml(config)
+        run_cfg = load_section(RunSettings, data, "run")
+        up_cfg = load_section(UpSettings, data, "up")
+        overrides: dict[str, Any] = {}
+        if backend:
+            overrides["backend"] = backend
+        if steps:
+            overrides["max_steps"] = steps
+        up_cfg = up_cfg.model_copy(update=overrides)
+    except ConfigError as exc:
+        print(f"rlbus up: {exc}", file=sys.stderr)
+        return 2
+    folder = Path(run_dir or (data.get("run", {}).get("run_dir") or f"runs/{run_cfg.run}-{time.strftime('%Y%m%d-%H%M%S')}"))
+    folder.mkdir(parents=True, exist_ok=True)
+    ensure_model(Path(run_cfg.model_path), up_cfg)
+    train, heldout = write_tasks(folder, up_cfg)
+
+    from bus.server import EmbeddedServer
+
+    server = EmbeddedServer(store_dir=folder / "nats", port=-1)
+    server.start()
+    children = Children(folder / "logs")
+    run_table = {**run_cfg.model_dump(), "nats_url": server.url, "run_dir": str(folder)}
+    tables: dict[str, dict[str, Any]] = {"run": run_table}
+    for section in SERVICE_SECTIONS:
+        tables[section] = dict(data.get(section, {}))
+    tables["controller"].setdefault("eval_tasks", str(heldout) if up_cfg.eval_tasks else "")
+    tables["trainer"].setdefault("max_steps", up_cfg.max_steps)
+    tables["generator"].setdefault("backend", up_cfg.backend)
+    resolved = folder / "config.toml"
+    resolved.write_text(dumps(tables) + dumps({"up": up_cfg.model_dump()}))
+    code = 0
+    try:
+        for name in ("environment", "reward", "broadcast", "controller", "trainer"):
+            children.start(name, name, resolved)
+        for i in range(up_cfg.generators):
+            children.start(f"generator-{i}", "generator", resolved, env={"RLBUS_GENERATOR__INSTANCE": f'"gen-{i}"'})
+        n = asyncio.run(publish_tasks(server.url, run_cfg, train, up_cfg))
+        print(f"rlbus up: run folder {folder}; {n} training tasks published; NATS at {server.url}", flush=True)
+        from services.up.watch import watch
+
+        code = asyncio.run(watch(server.url, run_cfg, up_cfg, folder, children, view=view))
+    except KeyboardInterrupt:
+        print("rlbus up: interrupted, stopping services …", file=sys.stderr)
+        code = 130
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        exits = children.stop(up_cfg.shutdown_grace)
+        server.stop()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from services.up.report import write_report
+
+        report = write_report(folder / "metrics.jsonl", folder / "report.png")
+        final = export_final_policy(run_cfg, folder)
+        print(json.dumps({"run_dir": str(folder), "report": str(report) if report else None,
+                          "final_policy": str(final) if final else None, "service_exit_codes": exits}), flush=True)
+    return code

@@ -1,0 +1,85 @@
+"""What ``rlbus up`` watches: trainer steps, generator throughput, held-out evaluation.
+
+Writes one JSON line per trainer step (``kind: "train"``) and per completed evaluation round
+(``kind: "eval"``) to ``metrics.jsonl``.  Evaluation rounds are keyed by the version the
+controller scheduled them at; the line also records the versions that actually produced the
+tokens, so a reported accuracy is always tied to exact weights.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from schemas import Heartbeat, ScoredGroup
+
+
+@dataclass
+class Monitor:
+    path: Path
+    eval_size: int
+    t0: float = field(default_factory=time.time)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    last_step: int = 0
+    version: int = 0
+    tokens_per_s: float = 0.0
+    generators: dict[str, Heartbeat] = field(default_factory=dict)
+    _eval_rounds: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
+    _tok_hist: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _rate_by: dict[str, float] = field(default_factory=dict)
+
+    def _write(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+
+    def on_heartbeat(self, hb: Heartbeat) -> dict[str, Any] | None:
+        if hb.service == "generator":
+            self.generators[hb.instance] = hb
+            tok = hb.metrics.get("generator/tokens", 0.0)
+            prev = self._tok_hist.get(hb.instance)
+            self._tok_hist[hb.instance] = (hb.ts, tok)
+            if prev and hb.ts > prev[0]:
+                self._rate_by[hb.instance] = (tok - prev[1]) / (hb.ts - prev[0])
+                self.tokens_per_s = sum(self._rate_by.values())
+            return None
+        if hb.service != "trainer":
+            return None
+        step = int(hb.metrics.get("trainer/step", 0))
+        if step <= self.last_step or "train/step_s" not in hb.metrics:
+            return None
+        self.last_step = step
+        self.version = hb.version
+        row = {"kind": "train", "t": round(time.time() - self.t0, 3), "step": step, "version": hb.version,
+               "generator/tokens_per_s": round(self.tokens_per_s, 1), **hb.metrics}
+        self.steps.append(row)
+        self._write(row)
+        return row
+
+    def on_eval(self, group: ScoredGroup) -> dict[str, Any] | None:
+        round_version = int(group.task.metadata.get("eval_version", -1))
+        s = group.scored[0]
+        self._eval_rounds[round_version].append((s.reward, s.rollout.newest_version))
+        results = self._eval_rounds[round_version]
+        if len(results) < self.eval_size:
+            return None
+        del self._eval_rounds[round_version]
+        versions = sorted({v for _, v in results})
+        row = {"kind": "eval", "t": round(time.time() - self.t0, 3), "eval_round": round_version,
+               "versions": versions, "heldout/accuracy": sum(r for r, _ in results) / len(results), "n": len(results),
+               "trainer_step": self.last_step}
+        self.evals.append(row)
+        self._write(row)
+        return row
+
+    @property
+    def accuracy(self) -> float | None:
+        return self.evals[-1]["heldout/accuracy"] if self.evals else None
+
+    def collapsed(self) -> bool:
+        recent = [r.get("batch/reward_mean", 1.0) for r in self.steps[-5:]]
+        return len(recent) == 5 and max(recent) == 0.0

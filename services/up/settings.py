@@ -1,0 +1,21 @@
+"""Settings of ``rlbus up`` ([up] table): the task set, stopping rule and process layout."""
+
+from typing import Literal
+
+from pydantic import Field
+
+from services.runtime.config import Settings
+
+
+class UpSettings(Settings):
+    train_tasks: int = Field(8192, ge=1, description="3-digit addition tasks published to the train pool.")
+    eval_tasks: int = Field(200, ge=0, description="Held-out tasks (never trained on) evaluated every eval_every versions.")
+    max_steps: int = Field(120, ge=1, description="Stop after this many trainer steps.")
+    stop_at_accuracy: float = Field(0.0, ge=0, le=1, description="Also stop once held-out accuracy reaches this (0 = run all steps).")
+    seed: int = Field(0, description="Seed of the model build and the task sets.")
+    backend: Literal["torch", "vllm"] = Field("torch", description="Generator backend.")
+    generators: int = Field(1, ge=1, le=64, description="Generator processes.")
+    max_new_tokens: int = Field(6, ge=1, description="Completion length cap of the toy task.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature of training tasks.")
+    init_target: float = Field(0.30, ge=0, le=1, description="Warm-start held-out accuracy when the model is built.")
+    shutdown_grace: float = Field(15.0, gt=0, description="Seconds services get to stop after SIGTERM.")
