@@ -1,0 +1,40 @@
+"""The generator backend interface: sample groups of completions, swap weights in place.
+
+A backend samples token-in/token-out and records, per generated token, the behaviour logprob of
+the distribution it sampled from and the policy version that produced it.  Weight updates are
+*staged* from any thread and applied by the backend between decode steps, so in-flight
+sequences continue and their later tokens carry the new version.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from services.runtime.registry import Registry
+
+
+class Backend(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
+        """Blocking; returns per prompt ``n`` ``services.policy.sampler.SampleOut``."""
+        ...
+
+    def stage(self, version: int, weights: bytes | memoryview) -> None:
+        """Validate and stage a new version; applied at the next decode-step boundary."""
+        ...
+
+    def apply_staged(self) -> bool:
+        """Apply a staged version now (idle generator); True when the version changed."""
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    def metrics(self) -> dict[str, float]: ...
+
+
+BACKENDS: Registry[Backend] = Registry("backend")

@@ -1,0 +1,143 @@
+"""One optimiser step on a batch of scored groups: advantages, recompute, loss, update.
+
+One step per batch, so the proximal policy of the decoupled objective is the trainer's own
+forward at the start of the step (``logp.detach()``): no extra forward is needed, and the
+importance weight proximal/behaviour measures exactly the training–inference gap plus staleness.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from services.policy.logprobs import completion_logprobs
+from services.policy.sampling import SamplingParams
+from services.trainer.advantages import group_advantages
+from services.trainer.batch import GroupDecision
+from services.trainer.mismatch import mismatch_metrics
+from services.trainer.objective import ObjectiveConfig, policy_loss
+from services.trainer.settings import TrainerSettings
+
+
+@dataclass
+class PackedSeq:
+    prompt: list[int]
+    completion: list[int]
+    behaviour: torch.Tensor
+    loss_mask: torch.Tensor
+    advantage: float
+    staleness: int
+    sampling: SamplingParams
+
+
+def objective_config(cfg: TrainerSettings) -> ObjectiveConfig:
+    return ObjectiveConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction,
+                           is_cap=cfg.is_cap, is_low=cfg.is_low, is_high=cfg.is_high, seq_low=cfg.seq_low,
+                           seq_high=cfg.seq_high, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation)
+
+
+def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedSeq], dict[str, float]]:
+    """Advantages per group, then one PackedSeq per trained rollout."""
+    n = max(len(d.group.scored) for d in batch)
+    rewards = torch.zeros((len(batch), n), dtype=torch.float32)
+    valid = torch.zeros((len(batch), n), dtype=torch.bool)
+    base = torch.zeros((len(batch), n), dtype=torch.bool)
+    for g, d in enumerate(batch):
+        for i, s in enumerate(d.group.scored):
+            rewards[g, i] = s.reward if d.baseline_mask[i] else 0.0
+            valid[g, i] = d.train_mask[i]
+            base[g, i] = d.baseline_mask[i]
+    adv = group_advantages(rewards, valid=valid, baseline_mask=base, normalize_std=cfg.normalize_std,
+                           baseline=cfg.baseline)
+    seqs: list[PackedSeq] = []
+    for g, d in enumerate(batch):
+        sp = d.group.sampling
+        params = SamplingParams(temperature=sp.temperature, top_p=sp.top_p, max_new_tokens=sp.max_new_tokens)
+        for i, s in enumerate(d.group.scored):
+            if not d.train_mask[i]:
+                continue
+            r = s.rollout
+            ids = r.token_ids.tolist()
+            seqs.append(PackedSeq(prompt=ids[: r.prompt_len], completion=ids[r.prompt_len:],
+                                  behaviour=torch.from_numpy(np.array(r.behaviour_logprobs, dtype=np.float32)),
+                                  loss_mask=torch.from_numpy(np.array(r.loss_mask, dtype=bool)),
+                                  advantage=float(adv[g, i]), staleness=d.staleness[i], sampling=params))
+    trained = valid.sum().item()
+    stats = {"batch/groups": len(batch), "batch/rollouts_trained": trained,
+             "batch/reward_mean": float(rewards[base].mean()) if base.any() else 0.0,
+             "batch/accuracy": float((rewards[base] >= 1.0).float().mean()) if base.any() else 0.0,
+             "batch/completion_len": float(np.mean([len(s.completion) for s in seqs])) if seqs else 0.0}
+    return seqs, stats
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[PackedSeq], cfg: TrainerSettings,
+               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
+    """Forward/backward in micro-batches (exact accumulation), clip, step.  Returns metrics."""
+    t0 = time.perf_counter()
+    obj = objective_config(cfg)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    n_tokens_total = int(sum(int(s.loss_mask.sum()) for s in seqs))
+    n_seqs_total = sum(1 for s in seqs if bool(s.loss_mask.any()))
+    totals: dict[str, float] = {}
+    all_trainer, all_behaviour, all_mask, all_seq = [], [], [], []
+    offset = 0
+    for start in range(0, len(seqs), cfg.micro_batch_seqs):
+        chunk = seqs[start: start + cfg.micro_batch_seqs]
+        # Sequences with different sampling params need their own processed distribution.
+        by_params: dict[SamplingParams, list[int]] = {}
+        for i, s in enumerate(chunk):
+            by_params.setdefault(s.sampling, []).append(i)
+        logps: list[torch.Tensor | None] = [None] * len(chunk)
+        for params, idx in by_params.items():
+            out = completion_logprobs(model, [(chunk[i].prompt, chunk[i].completion) for i in idx], params,
+                                      deterministic=cfg.deterministic, grad=True)
+            for i, lp in zip(idx, out, strict=True):
+                logps[i] = lp
+        logp = torch.cat([lp for lp in logps if lp is not None])
+        behaviour = torch.cat([s.behaviour for s in chunk])
+        mask = torch.cat([s.loss_mask for s in chunk])
+        seq_index = torch.cat([torch.full((len(s.completion),), k, dtype=torch.long) for k, s in enumerate(chunk)])
+        advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)[seq_index]
+        ref_logp = None
+        if ref_model is not None and cfg.kl_coef > 0:
+            with torch.no_grad():
+                ref_logp = torch.cat([lp for params, idx in by_params.items() for lp in completion_logprobs(
+                    ref_model, [(chunk[i].prompt, chunk[i].completion) for i in idx], params,
+                    deterministic=cfg.deterministic)])
+        loss, m = policy_loss(logp, proximal_logp=logp.detach(), behaviour_logp=behaviour, advantages=advantages,
+                              mask=mask, seq_index=seq_index, n_seqs=len(chunk), cfg=obj, ref_logp=ref_logp,
+                              n_tokens_total=n_tokens_total, n_seqs_total=n_seqs_total)
+        loss.backward()
+        for k, v in m.items():
+            totals[k] = totals.get(k, 0.0) + v
+        all_trainer.append(logp.detach())
+        all_behaviour.append(behaviour)
+        all_mask.append(mask)
+        all_seq.append(seq_index + offset)
+        offset += len(chunk)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    model.eval()
+    trainer_lp, behaviour_lp = torch.cat(all_trainer), torch.cat(all_behaviour)
+    mask_all, seq_all = torch.cat(all_mask), torch.cat(all_seq)
+    metrics = dict(totals)
+    metrics.update(mismatch_metrics(trainer_lp, behaviour_lp, mask_all, seq_all, is_low=cfg.is_low,
+                                    is_high=cfg.is_high, is_cap=cfg.is_cap))
+    metrics["mismatch/ratio_first_token"] = float(torch.exp(trainer_lp[0] - behaviour_lp[0])) if len(trainer_lp) else 1.0
+    metrics["train/grad_norm"] = grad_norm
+    metrics["train/skipped_nonfinite"] = 0.0 if math.isfinite(grad_norm) else 1.0
+    metrics["train/tokens"] = float(n_tokens_total)
+    metrics["train/step_s"] = time.perf_counter() - t0
+    stal = [s.staleness for s in seqs]
+    metrics["staleness/mean"] = float(np.mean(stal)) if stal else 0.0
+    metrics["staleness/max"] = float(max(stal)) if stal else 0.0
+    for k in range(0, 5):
+        metrics[f"staleness/hist_{k}"] = float(sum(1 for x in stal if x == k))
+    metrics["staleness/hist_5plus"] = float(sum(1 for x in stal if x >= 5))
+    return metrics
