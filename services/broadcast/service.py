@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import time
 
+from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
+from bus.subjects import Subjects
+from observability.logging import get_logger
 from schemas import Heartbeat, SchemaError, WeightManifest
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
-
-from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
-from bus.subjects import Subjects
-from observability.logging import get_logger
 
 log = get_logger()
 

@@ -25,7 +25,7 @@ async def snapshot(bus: Any, run: str, seconds: float) -> dict[str, Any]:
 
     try:
         await asyncio.wait_for(listen(), timeout=seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass
     now = time.time()
     instances = {

@@ -14,6 +14,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from bus.protocol import Bus
+from bus.subjects import Subjects
+from observability.logging import get_logger
 from schemas import Control, Heartbeat, SchemaError, Task
 from services.controller.law import GeneratorView, TrainerView, eval_due, plan_admission
 from services.controller.settings import ControllerSettings
@@ -21,10 +24,6 @@ from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.taskfile import read_task_file
-
-from bus.protocol import Bus
-from bus.subjects import Subjects
-from observability.logging import get_logger
 
 log = get_logger()
 

@@ -10,6 +10,9 @@ dead-letters the task with that reason); the service never dies on bad input.
 
 from __future__ import annotations
 
+from bus.protocol import Bus
+from bus.subjects import Subjects
+from observability.logging import get_logger
 from schemas import EnvReply, EnvReset, EnvStep, SchemaError
 from services.environment.envs import ENVIRONMENTS, EnvError, Environment
 from services.environment.settings import EnvironmentSettings
@@ -18,10 +21,6 @@ from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.registry import UnknownExtension
 from services.runtime.tokens import TextCodec
-
-from bus.protocol import Bus
-from bus.subjects import Subjects
-from observability.logging import get_logger
 
 log = get_logger()
 

@@ -37,4 +37,4 @@ class Backend(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-BACKENDS: Registry[Backend] = Registry("backend")
+BACKENDS: Registry[Backend] = Registry("backend", lazy={"torch": "services.generator.torch_backend:TorchBackend"})

@@ -18,22 +18,29 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
-from typing import Any
 
 import numpy as np
 
-from schemas import (Control, EnvReply, EnvReset, Rollout, RolloutGroup, SchemaError, Task, WeightManifest,
-                     spans_from_versions)
+from bus.protocol import Bus, BusError, ConsumerSpec, Delivery
+from bus.subjects import Subjects
+from observability.logging import get_logger
+from schemas import (
+    Control,
+    EnvReply,
+    EnvReset,
+    Rollout,
+    RolloutGroup,
+    SchemaError,
+    Task,
+    WeightManifest,
+    spans_from_versions,
+)
 from services.generator.backend import BACKENDS, Backend
 from services.generator.settings import GeneratorSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.weights import WeightIntegrityError, make_transport
-
-from bus.protocol import Bus, BusError, ConsumerSpec, Delivery
-from bus.subjects import Subjects
-from observability.logging import get_logger
 
 log = get_logger()
 
@@ -70,11 +77,12 @@ class Generator:
 
     def sample(self, batch: list[tuple[Task, list[int]]]) -> list[RolloutGroup]:
         """Blocking (run in a worker thread): one backend call per distinct sampling setting."""
-        by_params: dict[Any, list[int]] = defaultdict(list)
+        by_params: dict[tuple[bytes, int], list[int]] = defaultdict(list)
         for i, (task, _) in enumerate(batch):
-            by_params[(task.sampling, task.group_size)].append(i)
+            by_params[(task.sampling.encode(), task.group_size)].append(i)
         groups: list[RolloutGroup | None] = [None] * len(batch)
-        for (sampling, n), idx in by_params.items():
+        for (_, n), idx in by_params.items():
+            sampling = batch[idx[0]][0].sampling
             prompts = [batch[i][1] for i in idx]
             stop_ids = [self.backend.eos_id] if self.backend.eos_id is not None else []
             seed = zlib.crc32(f"{self.cfg.seed}/{self.cfg.instance}/{self.batches}".encode())
@@ -209,7 +217,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 wake.clear()
                 try:
                     await asyncio.wait_for(wake.wait(), timeout=0.1)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue
             n_train = sum(not e for _, e in deliveries)
@@ -226,7 +234,15 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 kept.append((d, is_eval))
             if not batch:
                 continue
-            groups = await asyncio.to_thread(gen.sample, batch)
+            try:
+                groups = await asyncio.to_thread(gen.sample, batch)
+            except Exception as exc:  # a backend failure must not kill the service or lose tasks
+                log.exception("sampling_failed", tasks=len(kept), error=repr(exc))
+                for d, is_eval in kept:
+                    await d.nak(delay=5.0)  # redelivered; after max_deliver the advisory dead-letters it
+                    gen.started -= 0 if is_eval else 1
+                gen.in_flight = 0
+                continue
             beat.version = backend.version
             items = []
             # Single-turn environments end after the one completion; the multi-turn loop

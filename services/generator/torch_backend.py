@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from services.generator.backend import BACKENDS
 from services.policy.load import _read_weights, load_policy, load_state_from_safetensors
 from services.policy.sampler import GroupSampler
 from services.policy.sampling import SamplingParams
@@ -45,7 +44,6 @@ class WeightSlot:
         return True
 
 
-@BACKENDS.register("torch")
 class TorchBackend:
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
                  slowdown: float = 1.0, **_: Any) -> None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import time
 
+from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
+from bus.subjects import Subjects, pool_of
+from observability.logging import get_logger
 from schemas import RolloutGroup, ScoredGroup, ScoredRollout
 from services.reward.settings import RewardSettings
 from services.reward.verifiers import VERIFIERS, verifier_for
@@ -19,10 +22,6 @@ from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.registry import UnknownExtension
-
-from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
-from bus.subjects import Subjects, pool_of
-from observability.logging import get_logger
 
 log = get_logger()
 

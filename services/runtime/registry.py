@@ -6,6 +6,7 @@ declaring an entry point in their package (group ``rlbus.environments`` etc.) â€
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Generic, TypeVar
@@ -23,9 +24,12 @@ class UnknownExtension(LookupError):
 
 
 class Registry(Generic[T]):
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, lazy: dict[str, str] | None = None) -> None:
+        """``lazy`` maps built-in names to ``"module:attr"`` imported only when chosen, so a
+        torch-only machine never imports vLLM."""
         self.kind = kind
         self._factories: dict[str, Callable[..., T]] = {}
+        self._lazy = dict(lazy or {})
         self._loaded_entry_points = False
 
     def register(self, name: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
@@ -45,9 +49,12 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         self._load_entry_points()
-        return sorted(self._factories)
+        return sorted({*self._factories, *self._lazy})
 
     def get(self, name: str) -> Callable[..., T]:
+        if name not in self._factories and name in self._lazy:
+            module, attr = self._lazy[name].split(":")
+            self._factories[name] = getattr(importlib.import_module(module), attr)
         if name not in self._factories:
             self._load_entry_points()
         try:

@@ -23,7 +23,7 @@ class TextCodec:
     _tok: object
 
     @classmethod
-    def from_folder(cls, path: str | Path) -> "TextCodec":
+    def from_folder(cls, path: str | Path) -> TextCodec:
         from tokenizers import Tokenizer
 
         folder = Path(path)

@@ -78,3 +78,19 @@ def load_latest(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
     raw = json.loads((folder / "state.json").read_text())
     return TrainerState(step=raw["step"], version=raw["version"], consumed=raw["consumed"], counters=raw["counters"])
+
+
+def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                *, keep: int) -> None:
+    """Record consumed ids without a new step (groups dropped while no batch fills): rewrite the
+    latest checkpoint's state.json atomically, or write a full checkpoint if there is none."""
+    pointer = root / "latest"
+    if not pointer.exists():
+        save(root, model, optimizer, state, keep=keep)
+        return
+    folder = root / json.loads(pointer.read_text())["checkpoint"]
+    tmp = folder / "state.json.tmp"
+    _write_json(tmp, {"step": state.step, "version": state.version, "consumed": state.consumed,
+                      "counters": state.counters})
+    os.replace(tmp, folder / "state.json")
+    _fsync_dir(folder)

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import io
 import time
 from pathlib import Path
 
 import torch
 from safetensors.torch import save as save_safetensors
 
+from bus.protocol import Bus, ConsumerSpec
+from bus.subjects import Subjects
+from observability.logging import get_logger
 from schemas import ScoredGroup, TensorMeta, WeightManifest
 from services.policy.load import load_policy
 from services.runtime.config import RunSettings
@@ -32,10 +34,6 @@ from services.trainer import checkpoint
 from services.trainer.batch import Assembler, GroupDecision
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import pack, train_step
-
-from bus.protocol import Bus, ConsumerSpec, Delivery
-from bus.subjects import Subjects
-from observability.logging import get_logger
 
 log = get_logger()
 
@@ -95,23 +93,31 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
     pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
     window = run_cfg.admission_window_groups
     spec = ConsumerSpec(stream="SCORED", durable=subjects.durable("trainer"),
-                        filter_subjects=tuple(subjects.scored(p) for p in pools), ack_wait=120, max_deliver=10,
+                        filter_subjects=tuple(subjects.scored(p) for p in pools), ack_wait=cfg.ack_wait, max_deliver=10,
                         max_ack_pending=max(8 * window, 512))
     puller = bus.puller(spec, ScoredGroup.decode)
-    held: list[Delivery[ScoredGroup]] = []
-    last_touch = time.monotonic()
 
     async def settle(decisions: list[GroupDecision]) -> None:
         for d in decisions:
             await d.handle.ack()
 
     async def keep_alive() -> None:
-        """Held messages outlive ack_wait while a batch fills: heartbeat them."""
-        nonlocal last_touch
-        if time.monotonic() - last_touch > spec.ack_wait / 3:
+        """Held messages outlive ack_wait while a batch fills or a step runs: heartbeat them."""
+        while not await life.sleep(spec.ack_wait / 3):
             for d in [*asm.kept, *asm.dropped]:
                 await d.handle.in_progress()
-            last_touch = time.monotonic()
+
+    async def commit_dropped() -> None:
+        """Many groups dropped and no batch yet (e.g. every reward equal): make their ledger
+        entries durable and ack them, instead of holding them against max_ack_pending."""
+        dropped = asm.dropped
+        asm.dropped = []
+        for d in dropped:
+            state.consumed.setdefault(d.group.task.task_id, d.reason)
+        state.counters = counters
+        await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
+        await settle(dropped)
+        publish_state()
 
     async def loop() -> None:
         while not life.stopping.is_set():
@@ -123,8 +129,12 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             while not asm.full and not life.stopping.is_set():
                 got = await puller.fetch(max(run_cfg.batch_groups - len(asm.kept), 1) * 2, timeout=cfg.fetch_timeout)
                 for d in got:
-                    asm.offer(d.msg, d, version=state.version, consumed=state.consumed.keys())
-                await keep_alive()
+                    decision = asm.offer(d.msg, d, version=state.version, consumed=state.consumed.keys())
+                    if decision.reason not in ("train", "duplicate"):
+                        # Frees admission budget now; the ack still waits for the next checkpoint.
+                        counters["groups_dropped_total"] += 1
+                if len(asm.dropped) >= run_cfg.batch_groups:
+                    await commit_dropped()
                 if not got:
                     publish_state()
             counters["idle_s"] += time.perf_counter() - t_wait
@@ -141,7 +151,6 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             for d in dropped:
                 state.consumed.setdefault(d.group.task.task_id, d.reason)
             counters["groups_trained_total"] += len(batch)
-            counters["groups_dropped_total"] += sum(d.reason != "duplicate" for d in dropped)
             counters["rollouts_stale_total"] = asm.rollouts_stale
             state.counters = counters
             t_ckpt = time.perf_counter()
@@ -150,7 +159,7 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             upload_s = await upload(state.version)
             await settle(batch + dropped)
             # Groups held for the next batch may have aged past the bound with this version.
-            asm.requeue_stale(state.version)
+            counters["groups_dropped_total"] += len(asm.requeue_stale(state.version))
             counters["busy_s"] += time.perf_counter() - t_busy
             metrics.update(batch_stats)
             metrics.update({"time/checkpoint_s": ckpt_s, "time/weight_upload_s": upload_s,
@@ -170,6 +179,7 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
     try:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(heartbeats())
+            tg.create_task(keep_alive())
             tg.create_task(loop())
     finally:
         # Unused held messages go back now rather than after ack_wait.

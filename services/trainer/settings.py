@@ -34,4 +34,5 @@ class TrainerSettings(Settings):
     checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     transport: Literal["objstore", "file"] = Field("objstore", description="Weight transport to weight-broadcast.")
     max_steps: int = Field(0, ge=0, description="Stop after this many optimiser steps (0 = until stopped).")
+    ack_wait: float = Field(30.0, gt=1, description="Seconds before an un-acked scored group is redelivered (held ones are heartbeated; a crashed trainer's come back after this).")
     fetch_timeout: float = Field(0.5, gt=0, description="Seconds one pull waits for scored groups.")

@@ -6,11 +6,10 @@ import asyncio
 import contextlib
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from schemas import Heartbeat, ScoredGroup, SchemaError
+from schemas import Heartbeat, SchemaError, ScoredGroup
 from services.runtime.config import RunSettings
 from services.up.monitor import Monitor
 from services.up.procs import Children

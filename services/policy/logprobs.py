@@ -1,0 +1,141 @@
+"""Per-token log-probs of completions under the current weights (full-forward recompute).
+
+Why it exists: the trainer needs the policy's log-probs of the tokens the generator sampled
+(with gradients), and the deterministic generator needs the very same numbers (without). One
+function serves both, so "trainer logprob" and "recomputed behaviour logprob" cannot drift.
+
+Two modes:
+- default: one right-padded batch, one forward. Fast; the values depend (at the 1e-7 level)
+  on what else is in the batch, because kernel shapes do.
+- `deterministic=True`, the batch-invariant path: each sequence is forwarded alone, unpadded,
+  with eager attention, so the kernel shapes depend only on that sequence. For given weights
+  and tokens the result is bit-identical whoever calls it, with or without autograd, as long
+  as both sides run the same device, library versions and thread count (reduction order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+
+from services.policy.errors import PolicyError
+from services.policy.sampling import SamplingParams, processed_logprobs
+
+PromptCompletion = tuple[Sequence[int], Sequence[int]]
+
+
+class LogprobInputError(PolicyError):
+    """A (prompt, completion) pair cannot be scored; the message names which one and why."""
+
+
+@contextmanager
+def eager_attention(model: torch.nn.Module) -> Iterator[None]:
+    """Run the block with eager attention, then restore the model's own implementation.
+
+    SDPA may pick different kernels with and without autograd or for different shapes;
+    eager attention is plain matmul + softmax, the same ops in both cases. Not thread-safe:
+    one process drives one model, as everywhere in rlbus.
+    """
+    config = getattr(model, "config", None)
+    previous = getattr(config, "_attn_implementation", None)
+    if config is None or previous in (None, "eager"):
+        yield
+        return
+    model.set_attn_implementation("eager")  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)  # type: ignore[operator]
+
+
+def _check(sequences: Sequence[PromptCompletion], max_positions: int | None, vocab_size: int | None) -> None:
+    for i, (prompt, completion) in enumerate(sequences):
+        bad = [t for t in (*prompt, *completion) if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise LogprobInputError(
+                f"sequence {i} has token id {bad[0]} outside the vocabulary (size {vocab_size}): "
+                "was it produced by a different tokenizer?"
+            )
+        if len(prompt) == 0:
+            raise LogprobInputError(
+                f"sequence {i} has an empty prompt: prepend <bos> so the first completion "
+                "token has a position that predicts it"
+            )
+        total = len(prompt) + len(completion)
+        if max_positions is not None and total > max_positions:
+            raise LogprobInputError(
+                f"sequence {i} has {total} tokens, more than the model's "
+                f"max_position_embeddings={max_positions}: shorten max_new_tokens or the prompt"
+            )
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[PromptCompletion],
+    params: SamplingParams,
+    *,
+    deterministic: bool = False,
+    grad: bool = False,
+) -> list[torch.Tensor]:
+    """Log-prob of each completion token under `processed_logprobs(params)`, one tensor per pair.
+
+    Each result is float32 with shape (len(completion),); it carries a graph when `grad` is
+    True. The model's train/eval mode is the caller's choice (the tiny Qwen2 has no dropout).
+    """
+    config = getattr(model, "config", None)
+    _check(sequences, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
+    if not sequences:
+        return []
+    with torch.set_grad_enabled(grad):
+        if deterministic:
+            with eager_attention(model):
+                return [_one_sequence(model, p, c, params) for p, c in sequences]
+        return _batched(model, sequences, params)
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _one_sequence(
+    model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int], params: SamplingParams
+) -> torch.Tensor:
+    n_new = len(completion)
+    if n_new == 0:
+        return torch.zeros(0, dtype=torch.float32, device=_device(model))
+    ids = torch.tensor([[*prompt, *completion]], dtype=torch.long, device=_device(model))
+    # Keep the logits at positions len(prompt)-1 … end; the last one predicts nothing.
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=n_new + 1).logits[0, :n_new]
+    logprobs = processed_logprobs(logits, params.temperature, params.top_p)
+    targets = ids[0, len(prompt) :].unsqueeze(-1)
+    return logprobs.gather(-1, targets).squeeze(-1)
+
+
+def _batched(
+    model: torch.nn.Module, sequences: Sequence[PromptCompletion], params: SamplingParams
+) -> list[torch.Tensor]:
+    device = _device(model)
+    lengths = [len(p) + len(c) for p, c in sequences]
+    width = max(lengths)
+    # Right padding needs no attention mask: under causal attention a real token only sees
+    # earlier positions, which are all real, so the pads after it cannot change its logits.
+    # Leaving the mask out keeps SDPA on its causal fast path. Pad id 0 is any valid id.
+    ids = torch.zeros((len(sequences), width), dtype=torch.long, device=device)
+    for row, (prompt, completion) in enumerate(sequences):
+        ids[row, : lengths[row]] = torch.tensor([*prompt, *completion], dtype=torch.long)
+    # Only positions from the earliest "last prompt token" on are needed (big-vocab memory).
+    first = min(len(p) for p, _ in sequences) - 1
+    keep = width - first
+    logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+    logprobs = processed_logprobs(logits, params.temperature, params.top_p)
+    # Position j predicts token j+1; the last kept position predicts nothing (target 0).
+    targets = torch.zeros((len(sequences), keep), dtype=torch.long, device=device)
+    targets[:, :-1] = ids[:, first + 1 :]
+    token_logprobs = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    out: list[torch.Tensor] = []
+    for row, (prompt, completion) in enumerate(sequences):
+        start = len(prompt) - 1 - first
+        out.append(token_logprobs[row, start : start + len(completion)])
+    return out

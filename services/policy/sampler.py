@@ -1,0 +1,273 @@
+"""Group sampler of the PyTorch backend: n completions per prompt, token by token.
+
+Why it exists: GRPO-style training needs n samples of the same prompt, each token with the
+behaviour log-prob it was sampled with and the weight version that produced it (design
+invariants 2–4). vLLM does this on real clusters; this sampler is the reference backend that
+runs anywhere, and its deterministic mode is what makes generator and trainer bit-identical.
+
+How it samples: the prompts of a call are left-padded into one batch and prefilled once; the
+KV cache is then repeated n times (`DynamicCache.batch_repeat_interleave`), so the n samples
+of a prompt share one prefill. Decoding feeds one token per row per step; rows that stopped
+keep decoding (their tokens are discarded) so the batch never has to be re-packed.
+
+Weight swaps: between decode steps the sampler calls `slot.maybe_swap()`. When it returns
+True the cache is rebuilt by one forward of every row's full prefix under the new weights,
+so each later token is sampled from exactly the new policy given its prefix (unlike keeping
+old-weight KV, whose log-probs would match neither version). Every token records the version
+whose forward produced its distribution.
+
+Deterministic mode: after sampling, behaviour log-probs are recomputed with
+`completion_logprobs(..., deterministic=True)` — the trainer's own batch-invariant function —
+so the two are bit-identical. That is only possible when every token of the sample came from
+the weights still in the slot; a sample whose tokens span a swap (or that finished before a
+swap) keeps its incremental values and says so in `logprobs_source`. The sampled tokens
+themselves come from the batched forward, whose distribution differs from the recomputed one
+only at the float rounding level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from services.policy.errors import PolicyError
+from services.policy.logprobs import completion_logprobs
+from services.policy.sampling import SamplingParams, processed_logprobs
+
+FinishReason = Literal["stop", "length"]
+LogprobSource = Literal["incremental", "recomputed"]
+
+
+class SamplerInputError(PolicyError):
+    """The prompts or parameters given to the sampler cannot be sampled from."""
+
+
+class ModelSlot(Protocol):
+    """Where the sampler finds the current weights; the generator's weight updater is one."""
+
+    @property
+    def model(self) -> PreTrainedModel: ...
+
+    @property
+    def version(self) -> int: ...
+
+    def maybe_swap(self) -> bool:
+        """Install pending weights if any; True when `model`/`version` changed."""
+        ...
+
+
+class StaticSlot:
+    """A slot whose weights never change (evaluation, tests, the warm start)."""
+
+    def __init__(self, model: PreTrainedModel, version: int = 0) -> None:
+        self.model = model
+        self.version = version
+
+    def maybe_swap(self) -> bool:
+        return False
+
+
+@dataclass
+class SampleOut:
+    """One sampled completion and what the trainer needs to correct for staleness."""
+
+    completion_ids: list[int]  # includes the stop token when one was produced
+    behaviour_logprobs: np.ndarray  # float32, log-prob of each token under the sampled distribution
+    token_versions: np.ndarray  # int64, weight version that produced each token
+    finish_reason: FinishReason
+    logprobs_source: LogprobSource = "incremental"
+
+
+def _stop_ids(model: torch.nn.Module, params: SamplingParams) -> list[int]:
+    """The caller's stop ids plus the model's eos id(s)."""
+    ids = set(params.stop_token_ids)
+    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(cfg, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+    return sorted(ids)
+
+
+def _check_ids(prompts: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise SamplerInputError(
+                f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab_size}): "
+                "encode prompts with the policy's own tokenizer"
+            )
+
+
+def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[DynamicCache, torch.Tensor]:
+    """Fresh KV cache for `ids` and the logits of each row's last position."""
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=DynamicCache(config=model.config),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.past_key_values, out.logits[:, -1]
+
+
+class GroupSampler:
+    """Samples groups of completions through a `ModelSlot` (see the module docstring)."""
+
+    def __init__(self, model_slot: ModelSlot, *, deterministic: bool = False) -> None:
+        self.slot = model_slot
+        self.deterministic = deterministic
+
+    def sample_groups(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator | None = None,
+    ) -> list[list[SampleOut]]:
+        """For each prompt (token ids, `<bos>` included), `n` samples, in prompt order.
+
+        Randomness comes only from `generator` (or, when it is None, from `params.seed`), so
+        the same weights, prompts and seed replay the same samples.
+        """
+        if n < 1:
+            raise SamplerInputError(f"n={n}: ask for at least one sample per prompt")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise SamplerInputError(f"prompt {i} is empty: encode it with a leading <bos>")
+        if not prompts:
+            return []
+        if generator is None:
+            generator = torch.Generator(device=next(self.slot.model.parameters()).device)
+            if params.seed is not None:
+                generator.manual_seed(params.seed)
+            else:
+                generator.seed()
+        self.slot.maybe_swap()
+        with torch.no_grad():
+            rows = self._decode(prompts, n, params, generator)
+        if self.deterministic:
+            self._recompute(prompts, n, rows, params)
+        return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _decode(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[SampleOut]:
+        model, version = self.slot.model, self.slot.version
+        device = next(model.parameters()).device
+        max_positions = getattr(model.config, "max_position_embeddings", None)
+        prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        width = int(prompt_lens.max())
+        if max_positions is not None and width + params.max_new_tokens > max_positions:
+            raise SamplerInputError(
+                f"longest prompt ({width}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"max_position_embeddings={max_positions}: lower max_new_tokens or shorten prompts"
+            )
+
+        _check_ids(prompts, getattr(model.config, "vocab_size", None))
+        padded = bool((prompt_lens != width).any())
+        prompt_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            prompt_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        prompt_ids = prompt_ids.to(device)
+        # Left padding keeps every row's last prompt token in the last column, so one decode
+        # step appends one column for all rows. A mask (and explicit positions) is needed only
+        # when lengths differ; without one SDPA stays on its causal fast path.
+        mask: torch.Tensor | None = None
+        if padded:
+            mask = (torch.arange(width) >= (width - prompt_lens)[:, None]).long().to(device)
+
+        cache, logits = _prefill(model, prompt_ids, mask)
+        # One prefill per prompt, then n rows per prompt share copies of its KV cache.
+        cache.batch_repeat_interleave(n)
+        logits = logits.repeat_interleave(n, dim=0)
+        rows = len(prompts) * n
+        if mask is not None:
+            mask = mask.repeat_interleave(n, dim=0)
+        next_pos = prompt_lens.to(device).repeat_interleave(n)
+
+        stop = torch.tensor(_stop_ids(model, params), dtype=torch.long, device=device)
+        tokens = torch.zeros((rows, params.max_new_tokens), dtype=torch.long, device=device)
+        logps = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=device)
+        versions = np.zeros((rows, params.max_new_tokens), dtype=np.int64)
+        length = torch.zeros(rows, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        new_column = torch.ones((rows, 1), dtype=torch.long, device=device)
+
+        for step in range(params.max_new_tokens):
+            lp = processed_logprobs(logits, params.temperature, params.top_p)
+            if params.temperature == 0.0:
+                tok = lp.argmax(dim=-1)
+            else:
+                # A generator lives on one device; draw where it lives so seeds replay exactly.
+                draw = torch.multinomial(lp.exp().to(generator.device), 1, generator=generator)
+                tok = draw.squeeze(-1).to(device)
+            tokens[:, step] = tok
+            logps[:, step] = lp.gather(-1, tok[:, None]).squeeze(-1)
+            versions[:, step] = version
+            length += (~done).long()
+            done |= torch.isin(tok, stop)
+            if step + 1 == params.max_new_tokens or bool(done.all()):
+                break
+            if mask is not None:
+                mask = torch.cat([mask, new_column], dim=1)  # now covers `tok`
+            if self.slot.maybe_swap():
+                model, version = self.slot.model, self.slot.version
+                # Old-weight KV would give log-probs of neither version: rebuild the cache
+                # under the new weights from every row's full prefix.
+                prefix = torch.cat([prompt_ids.repeat_interleave(n, dim=0), tokens[:, : step + 1]], dim=1)
+                cache, logits = _prefill(model, prefix, mask)
+            else:
+                out = model(
+                    input_ids=tok[:, None],
+                    attention_mask=mask,
+                    position_ids=None if mask is None else next_pos[:, None],
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache, logits = out.past_key_values, out.logits[:, -1]
+            next_pos = next_pos + 1
+
+        tokens_l = tokens.tolist()
+        logps_np = logps.cpu().numpy()
+        length_l = length.tolist()
+        done_l = done.tolist()
+        return [
+            SampleOut(
+                completion_ids=tokens_l[r][: length_l[r]],
+                behaviour_logprobs=logps_np[r, : length_l[r]].copy(),
+                token_versions=versions[r, : length_l[r]].copy(),
+                finish_reason="stop" if done_l[r] else "length",
+            )
+            for r in range(rows)
+        ]
+
+    def _recompute(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        rows: list[SampleOut],
+        params: SamplingParams,
+    ) -> None:
+        """Replace behaviour log-probs by the trainer's batch-invariant values where valid."""
+        current = self.slot.version
+        eligible = [r for r, s in enumerate(rows) if len(s.completion_ids) and (s.token_versions == current).all()]
+        if not eligible:
+            return
+        pairs = [(prompts[r // n], rows[r].completion_ids) for r in eligible]
+        values = completion_logprobs(self.slot.model, pairs, params, deterministic=True)
+        for r, v in zip(eligible, values, strict=True):
+            rows[r].behaviour_logprobs = v.detach().cpu().numpy().astype(np.float32, copy=False)
+            rows[r].logprobs_source = "recomputed"

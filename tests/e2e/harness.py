@@ -1,0 +1,103 @@
+"""A pipeline of real service processes on a real nats-server, for end-to-end tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bus.jetstream import JetStreamBus
+from bus.server import EmbeddedServer
+from bus.subjects import Subjects
+from schemas import DeadLetter, Heartbeat, SchemaError
+from services.up.procs import Child, Children
+from services.up.tomlw import dumps
+
+
+class Pipeline:
+    def __init__(self, root: Path, tables: dict[str, dict[str, Any]]) -> None:
+        self.root = root
+        self.tables = tables
+        self.server = EmbeddedServer(root / "nats", port=-1)
+        self.children = Children(root / "logs")
+        self.config = root / "config.toml"
+        self.run = tables["run"]["run"]
+        self.subjects = Subjects(self.run)
+        self.by_name: dict[str, Child] = {}
+
+    def start_server(self) -> None:
+        self.server.start()
+        self.tables["run"] = {**self.tables["run"], "nats_url": self.server.url, "run_dir": str(self.root)}
+        self.config.write_text(dumps(self.tables))
+
+    def start(self, name: str, service: str, env: dict[str, str] | None = None) -> Child:
+        child = self.children.start(name, service, self.config, env={"OMP_NUM_THREADS": "1", **(env or {})})
+        self.by_name[name] = child
+        return child
+
+    def kill9(self, name: str) -> None:
+        child = self.by_name[name]
+        os.kill(child.proc.pid, signal.SIGKILL)
+        child.proc.wait(timeout=10)
+        self.children.children.remove(child)
+
+    def stop(self) -> None:
+        self.children.stop(10.0)
+        self.server.stop()
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {c.name}\n{c.tail(20)}" for c in self.children.children)
+
+    async def bus(self) -> JetStreamBus:
+        return await JetStreamBus.connect(self.server.url, self.run, name="e2e-test")
+
+
+async def wait_heartbeat(bus: JetStreamBus, pred: Callable[[Heartbeat], bool], timeout: float) -> Heartbeat:
+    """The first heartbeat (from now) satisfying ``pred``; fails with a clear message on timeout."""
+    w = bus.watch(bus.subjects.all_of("metrics"), deliver="last_per_subject")
+    try:
+        async with asyncio.timeout(timeout):
+            async for d in w:
+                try:
+                    hb = Heartbeat.decode(d.msg)
+                except SchemaError:
+                    continue
+                if pred(hb):
+                    return hb
+    finally:
+        await w.aclose()
+    raise AssertionError("unreachable")
+
+
+async def dead_letters(bus: JetStreamBus, *, timeout: float = 2.0) -> list[DeadLetter]:
+    out: list[DeadLetter] = []
+    w = bus.watch(bus.subjects.all_of("dead"), deliver="all")
+    try:
+        async with asyncio.timeout(timeout):
+            async for d in w:
+                out.append(DeadLetter.decode(d.msg))
+    except TimeoutError:
+        pass
+    finally:
+        await w.aclose()
+    return out
+
+
+def checkpoint_state(root: Path) -> dict[str, Any]:
+    ckpt = root / "checkpoints"
+    folder = ckpt / json.loads((ckpt / "latest").read_text())["checkpoint"]
+    return json.loads((folder / "state.json").read_text())
+
+
+def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
