@@ -53,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--out", default="models/tiny-addition")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--target", type=float, default=0.30, help="held-out accuracy at which the warm start stops")
+    init.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
     return p
 
 
@@ -86,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "init-model":
         from services.commands.init_model import init_model_cmd
 
-        return init_model_cmd(args.out, seed=args.seed, target=args.target)
+        return init_model_cmd(args.out, seed=args.seed, target=args.target, overwrite=args.overwrite)
     return 2
 
 

@@ -6,12 +6,18 @@ import json
 from pathlib import Path
 
 
-def init_model_cmd(out: str, *, seed: int, target: float) -> int:
+def init_model_cmd(out: str, *, seed: int, target: float, overwrite: bool = False) -> int:
+    import sys
+
     import torch
 
-    from services.policy.model_init import init_model
+    from services.policy.model_init import ModelInitError, init_model
 
     torch.set_num_threads(1)
-    info = init_model(Path(out), seed=seed, warm_start_target=target)
+    try:
+        info = init_model(Path(out), seed=seed, warm_start_target=target, overwrite=overwrite)
+    except ModelInitError as exc:
+        print(f"rlbus init-model: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(info))
     return 0

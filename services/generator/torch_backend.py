@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from services.policy.load import _read_weights, load_policy, load_state_from_safetensors
+from services.policy.load import load_policy, load_state_from_safetensors, read_weights
 from services.policy.sampler import GroupSampler
 from services.policy.sampling import SamplingParams
 
@@ -26,7 +26,7 @@ class WeightSlot:
         self.swap_seconds: list[float] = []
 
     def stage(self, version: int, weights: bytes | memoryview) -> None:
-        tensors = _read_weights(weights)  # decode outside the sampler's critical path
+        tensors = read_weights(weights)  # decode outside the sampler's critical path
         with self._lock:
             if version > max(self.version, self._pending[0] if self._pending else -1):
                 self._pending = (version, tensors)

@@ -58,7 +58,12 @@ def load_policy(
     return model, tokenizer
 
 
-def _read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
+def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
+    """Name → tensor from a safetensors file, a folder of them, serialized bytes or a mapping.
+
+    Decoding is separate from `load_state_from_safetensors` so a generator can decode a new
+    version in the background and only copy between decode steps.
+    """
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
@@ -83,7 +88,7 @@ def load_state_from_safetensors(model: torch.nn.Module, source: WeightSource) ->
     omitted), shapes must match, values must be finite; dtype is cast to the model's. All
     checks run before the first copy, so on error the model is unchanged.
     """
-    incoming = _read_weights(source)
+    incoming = read_weights(source)
     state = model.state_dict()
     # Tied weights appear under several names but share storage; one name per storage suffices.
     owners: dict[int, str] = {}
@@ -117,3 +122,5 @@ def load_state_from_safetensors(model: torch.nn.Module, source: WeightSource) ->
         for name, tensor in incoming.items():
             state[name].copy_(tensor)
     return len(incoming)
+
+

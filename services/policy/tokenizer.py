@@ -15,7 +15,7 @@ from __future__ import annotations
 import string
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 BOS_TOKEN = "<bos>"
@@ -57,7 +57,7 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerFast, prompt: str) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     """Prompt ids as the policy sees them: `<bos>` then the prompt's characters."""
     if tokenizer.bos_token_id is None:
         return list(tokenizer.encode(prompt, add_special_tokens=False))

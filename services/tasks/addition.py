@@ -107,24 +107,27 @@ def score(task_answer: str, completion_text: str) -> float:
     return 1.0 if parse_answer(completion_text) == task_answer.strip() else 0.0
 
 
-def task_record(task: AdditionTask) -> dict[str, object]:
+def task_record(task: AdditionTask, sampling: dict[str, object] | None = None) -> dict[str, object]:
     """The rlbus task-file shape of one task (one JSON line of a task file)."""
-    return {
+    record: dict[str, object] = {
         "task_id": task.task_id,
         "prompt": task.prompt,
         "env": ENV_NAME,
         "env_config": {"a": task.a, "b": task.b},
         "answer": task.answer,
     }
+    if sampling:
+        record["sampling"] = dict(sampling)
+    return record
 
 
-def write_jsonl(path: str | Path, tasks: Iterable[AdditionTask]) -> int:
-    """Write one task per line; returns how many were written."""
+def write_jsonl(path: str | Path, tasks: Iterable[AdditionTask], sampling: dict[str, object] | None = None) -> int:
+    """Write one task per line (each with ``sampling`` when given); returns how many were written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     count = 0
     with path.open("w", encoding="utf-8") as f:
         for task in tasks:
-            f.write(json.dumps(task_record(task), separators=(",", ":")) + "\n")
+            f.write(json.dumps(task_record(task, sampling), separators=(",", ":")) + "\n")
             count += 1
     return count

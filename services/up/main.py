@@ -39,8 +39,11 @@ def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
     from services.tasks.addition import make_split, write_jsonl
 
     train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
-    write_jsonl(train, make_split("train", up_cfg.train_tasks, up_cfg.seed))
-    write_jsonl(heldout, make_split("heldout", up_cfg.eval_tasks, up_cfg.seed))
+    write_jsonl(train, make_split("train", up_cfg.train_tasks, up_cfg.seed),
+                {"temperature": up_cfg.temperature, "max_new_tokens": up_cfg.max_new_tokens})
+    # Held-out evaluation is greedy: accuracy of the policy's most likely answer.
+    write_jsonl(heldout, make_split("heldout", up_cfg.eval_tasks, up_cfg.seed),
+                {"temperature": 0.0, "max_new_tokens": up_cfg.max_new_tokens})
     return train, heldout
 
 
@@ -63,12 +66,9 @@ def export_final_policy(run_cfg: RunSettings, run_dir: Path) -> Path | None:
 async def publish_tasks(url: str, run_cfg: RunSettings, train: Path, up_cfg: UpSettings) -> int:
     from bus.jetstream import JetStreamBus
     from bus.subjects import Subjects
-    from schemas import SamplingParams
     from services.runtime.taskfile import read_task_file
 
-    sampling = SamplingParams(temperature=up_cfg.temperature, max_new_tokens=up_cfg.max_new_tokens)
-    tasks, errors = read_task_file(train, run=run_cfg.run, pool=run_cfg.pools[0], group_size=run_cfg.group_size,
-                                   sampling=sampling)
+    tasks, errors = read_task_file(train, run=run_cfg.run, pool=run_cfg.pools[0], group_size=run_cfg.group_size)
     if errors:
         raise ConfigError(f"generated task file {train} has invalid lines: {errors[:3]}")
     subjects = Subjects(run_cfg.run)

@@ -30,7 +30,7 @@ class Monitor:
     tokens_per_s: float = 0.0
     generators: dict[str, Heartbeat] = field(default_factory=dict)
     _eval_rounds: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
-    _tok_hist: dict[str, tuple[float, float]] = field(default_factory=dict)
+    _tok_hist: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     _rate_by: dict[str, float] = field(default_factory=dict)
 
     def _write(self, row: dict[str, Any]) -> None:
@@ -40,11 +40,14 @@ class Monitor:
     def on_heartbeat(self, hb: Heartbeat) -> dict[str, Any] | None:
         if hb.service == "generator":
             self.generators[hb.instance] = hb
+            # Tokens/s over a sliding window: generators publish in bursts (one per batch).
             tok = hb.metrics.get("generator/tokens", 0.0)
-            prev = self._tok_hist.get(hb.instance)
-            self._tok_hist[hb.instance] = (hb.ts, tok)
-            if prev and hb.ts > prev[0]:
-                self._rate_by[hb.instance] = (tok - prev[1]) / (hb.ts - prev[0])
+            hist = self._tok_hist.setdefault(hb.instance, [])
+            hist.append((hb.ts, tok))
+            while len(hist) > 2 and hb.ts - hist[1][0] > 10.0:
+                hist.pop(0)
+            if hb.ts > hist[0][0]:
+                self._rate_by[hb.instance] = (tok - hist[0][1]) / (hb.ts - hist[0][0])
                 self.tokens_per_s = sum(self._rate_by.values())
             return None
         if hb.service != "trainer":
