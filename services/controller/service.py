@@ -57,7 +57,7 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
     state = ControllerState()
     beat = Beat(bus, subjects, "controller", cfg.instance)
     seq = int(time.time() * 1000)  # monotonic across restarts: later decisions sort later
-    sent: dict[tuple[str, str], tuple[int, float]] = {}
+    sent: dict[tuple[str, str], tuple[tuple[int, int], float]] = {}
     eval_tasks: list[Task] = []
     if cfg.eval_tasks and cfg.eval_every > 0:
         eval_tasks, errors = read_task_file(cfg.eval_tasks, run=run_cfg.run, pool=run_cfg.eval_pool, group_size=1,
@@ -88,19 +88,23 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
             plan = plan_admission(list(state.generators.values()), state.trainer, batch_groups=run_cfg.batch_groups,
                                   max_staleness=run_cfg.max_staleness, now=now, silent_after=cfg.silent_after,
                                   max_outstanding=cfg.max_outstanding)
+            # A generator whose weights are older than this would only produce samples the
+            # trainer must refuse as stale: it waits for the next version instead.
+            min_version = max(state.trainer.version - run_cfg.max_staleness, 0)
             for (instance, boot), grant in plan.grants.items():
                 g = state.generators[(instance, boot)]
                 prev = sent.get((instance, boot))
-                if not g.alive or (prev and prev[0] == grant and now - prev[1] < cfg.refresh):
+                if not g.alive or (prev and prev[0] == (grant, min_version) and now - prev[1] < cfg.refresh):
                     continue
                 seq += 1
                 ctl = Control(seq=seq, action="admit", target_service="generator", target_instance=instance,
-                              params={"boot": boot, "grant_total": grant}, reason=plan.reason,
+                              params={"boot": boot, "grant_total": grant, "min_version": min_version},
+                              reason=plan.reason,
                               inputs={"trainer_version": state.trainer.version, "allowed_total": plan.allowed_total,
                                       "started_total": plan.started_total, "dropped": state.trainer.dropped_groups},
                               issued_at=now)
                 await bus.publish(subjects.control("generator", instance), ctl.encode(), msg_id=f"ctl.{seq}")
-                sent[(instance, boot)] = (grant, now)
+                sent[(instance, boot)] = ((grant, min_version), now)
             beat.metrics.update({"controller/allowed_total": plan.allowed_total,
                                  "controller/started_total": plan.started_total,
                                  "controller/live_generators": sum(g.alive for g in state.generators.values()),

@@ -58,6 +58,7 @@ class Generator:
         self.eval_published = 0
         self.dead = 0
         self.paused = False
+        self.min_version = 0  # the controller's freshness floor: older weights would yield stale samples
         self.in_flight = 0
         self.batches = 0
         self._t0 = time.time()
@@ -65,11 +66,14 @@ class Generator:
 
     @property
     def budget(self) -> int:
-        return max(self.grant_total - self.started, 0) if not self.paused else 0
+        if self.paused or self.backend.version < self.min_version:
+            return 0
+        return max(self.grant_total - self.started, 0)
 
     def on_control(self, ctl: Control) -> None:
         if ctl.action == "admit" and str(ctl.params.get("boot")) == self.boot:
             self.grant_total = max(self.grant_total, int(ctl.params["grant_total"]))
+            self.min_version = max(self.min_version, int(ctl.params.get("min_version", 0)))
         elif ctl.action == "pause":
             self.paused = True
         elif ctl.action == "resume":
@@ -122,7 +126,8 @@ class Generator:
         return {"generator/groups_started": self.started, "generator/groups_published": self.published,
                 "generator/eval_groups_published": self.eval_published, "generator/grant_total": min(self.grant_total, 1 << 40),
                 "generator/groups_per_s": rate, "generator/in_flight": self.in_flight, "generator/dead_lettered": self.dead,
-                "generator/paused": float(self.paused), **self.backend.metrics()}
+                "generator/paused": float(self.paused), "generator/min_version": self.min_version,
+                **self.backend.metrics()}
 
 
 async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: Lifecycle) -> None:
