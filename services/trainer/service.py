@@ -1,14 +1,17 @@
 """trainer service — GRPO steps on scored groups, within the staleness bound, crash-safe.
 
 consumes:  rl.<run>.scored.<pool>   (ScoredGroup)  durable 'trainer', explicit ack after the
-                                                   checkpoint of the step that used it is durable
+                                                   checkpoint covering the step that used it
 produces:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  msg id 'upload.<model>.v<N>'
            rl.<run>.metrics.trainer.<instance>  (Heartbeat) per step: loss, mismatch, staleness, idle
 waits for: a full batch of ``batch_groups`` informative, fresh groups
 unblocked by: generators (via reward) producing within the controller's admission
-Order of effects per step: train -> checkpoint (fsync) -> upload weights -> ack every message the
-step consumed or dropped.  A crash anywhere redelivers; the checkpoint's consumed ids turn the
-redeliveries into acks without training twice.
+Per step: train -> hand the weights to weight-broadcast (in the background, in order).  Every
+``checkpoint_every`` steps: checkpoint (fsync) -> ack every message consumed or dropped since the
+last one.  A crash redelivers what was not checkpointed; the checkpoint's consumed ids turn
+redeliveries of committed groups into acks, so no group is trained twice in the surviving model.
+Versions are a monotonic identity of published weights: a resumed trainer continues after the
+newest version ever published, so a number never names two different sets of weights.
 """
 
 from __future__ import annotations
@@ -60,9 +63,14 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
     asm = Assembler(batch_groups=run_cfg.batch_groups, max_staleness=run_cfg.max_staleness)
     counters = {"groups_trained_total": 0.0, "groups_dropped_total": 0.0, "rollouts_stale_total": 0.0,
                 "idle_s": 0.0, "busy_s": 0.0, **state.counters}
+    latest_raw = await bus.last(subjects.weights(run_cfg.model_name))
+    published = WeightManifest.decode(latest_raw).version if latest_raw is not None else 0
+    resumed = state.step > 0 or published > state.version
+    state.version = max(state.version, published)
     beat.version = state.version
-    if state.step:
+    if resumed:
         log.info("trainer_resumed", step=state.step, version=state.version, consumed=len(state.consumed))
+    unacked: list[GroupDecision] = []  # consumed or dropped since the last checkpoint
 
     def publish_state(extra: dict[str, float] | None = None) -> None:
         total = counters["idle_s"] + counters["busy_s"]
@@ -71,73 +79,99 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
                              "trainer/groups_dropped_total": counters["groups_dropped_total"],
                              "trainer/rollouts_stale_total": counters["rollouts_stale_total"],
                              "trainer/idle_fraction": counters["idle_s"] / total if total else 0.0,
-                             "trainer/pending_groups": len(asm.kept)})
+                             "trainer/pending_groups": len(asm.kept), "trainer/unacked_groups": len(unacked)})
         for reason, n in asm.counts.items():
             beat.metrics[f"trainer/groups_{reason}"] = n
         if extra:
             beat.metrics.update(extra)
 
-    async def upload(version: int) -> float:
+    async def upload(version: int, data: bytes, metas: list[TensorMeta], step: int) -> float:
         t0 = time.perf_counter()
-        data, metas = await asyncio.to_thread(weights_bytes, model)
         shard = await transport.write(f"weights/{run_cfg.model_name}/v{version:08d}/model.safetensors", data)
         manifest = WeightManifest(model=run_cfg.model_name, version=version, transport=cfg.transport, shards=[shard],
-                                  tensors=metas, trainer_step=state.step, created_at=time.time(), state="uploaded")
+                                  tensors=metas, trainer_step=step, created_at=time.time(), state="uploaded")
         await bus.publish(subjects.weight_uploads(run_cfg.model_name), manifest.encode(),
                           msg_id=f"upload.{run_cfg.model_name}.v{version}")
         return time.perf_counter() - t0
 
-    if state.step:
-        await upload(state.version)  # idempotent (msg id): covers a crash between checkpoint and upload
+    uploading: asyncio.Task[float] | None = None
+    last_upload_s = 0.0
+
+    async def hand_over_weights() -> None:
+        """Snapshot now; upload in the background, one at a time, in version order."""
+        nonlocal uploading, last_upload_s
+        data, metas = await asyncio.to_thread(weights_bytes, model)
+        if uploading is not None:
+            last_upload_s = await uploading
+        uploading = asyncio.create_task(upload(state.version, data, metas, state.step))
+
+    if resumed:
+        # Generators may hold weights of steps lost with the crash: move them to this lineage.
+        state.version += 1
+        await hand_over_weights()
 
     pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
     window = run_cfg.admission_window_groups
+    # Held un-acked: up to checkpoint_every batches plus what waits for the next batch.
+    max_ack_pending = (cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2) * run_cfg.batch_groups + 512
     spec = ConsumerSpec(stream="SCORED", durable=subjects.durable("trainer"),
                         filter_subjects=tuple(subjects.scored(p) for p in pools), ack_wait=cfg.ack_wait, max_deliver=10,
-                        max_ack_pending=max(8 * window, 512))
+                        max_ack_pending=max(max_ack_pending, 8 * window))
     puller = bus.puller(spec, ScoredGroup.decode)
 
-    async def settle(decisions: list[GroupDecision]) -> None:
-        for d in decisions:
+    async def commit() -> float:
+        """Checkpoint, then ack everything it covers.  Returns the checkpoint seconds."""
+        t0 = time.perf_counter()
+        state.counters = counters
+        await asyncio.to_thread(checkpoint.save, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
+        spent = time.perf_counter() - t0
+        done, unacked[:] = list(unacked), []
+        for d in done:
             await d.handle.ack()
-
-    async def keep_alive() -> None:
-        """Held messages outlive ack_wait while a batch fills or a step runs: heartbeat them."""
-        while not await life.sleep(spec.ack_wait / 3):
-            for d in [*asm.kept, *asm.dropped]:
-                await d.handle.in_progress()
+        return spent
 
     async def commit_dropped() -> None:
         """Many groups dropped and no batch yet (e.g. every reward equal): make their ledger
         entries durable and ack them, instead of holding them against max_ack_pending."""
-        dropped = asm.dropped
-        asm.dropped = []
+        dropped, asm.dropped = asm.dropped, []
         for d in dropped:
             state.consumed.setdefault(d.group.task.task_id, d.reason)
         state.counters = counters
         await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
-        await settle(dropped)
+        for d in dropped:
+            await d.handle.ack()
         publish_state()
+
+    async def keep_alive() -> None:
+        """Held messages outlive ack_wait while a batch fills or a step runs: heartbeat them."""
+        while not await life.sleep(spec.ack_wait / 3):
+            for d in [*asm.kept, *asm.dropped, *unacked]:
+                await d.handle.in_progress()
+
+    async def fill_batch() -> None:
+        t_wait = time.perf_counter()
+        while not asm.full and not life.stopping.is_set():
+            got = await puller.fetch(max(run_cfg.batch_groups - len(asm.kept), 1) * 2, timeout=cfg.fetch_timeout)
+            for d in got:
+                decision = asm.offer(d.msg, d, version=state.version, consumed=state.consumed.keys())
+                if decision.reason not in ("train", "duplicate"):
+                    # Frees admission budget now; the ack still waits for the next checkpoint.
+                    counters["groups_dropped_total"] += 1
+            if len(asm.dropped) >= run_cfg.batch_groups:
+                await commit_dropped()
+            if not got:
+                publish_state()
+        counters["idle_s"] += time.perf_counter() - t_wait
 
     async def loop() -> None:
         while not life.stopping.is_set():
             if cfg.max_steps and state.step >= cfg.max_steps:
+                if unacked:
+                    await commit()
                 beat.state = "done"
                 await life.sleep(1.0)
                 continue
-            t_wait = time.perf_counter()
-            while not asm.full and not life.stopping.is_set():
-                got = await puller.fetch(max(run_cfg.batch_groups - len(asm.kept), 1) * 2, timeout=cfg.fetch_timeout)
-                for d in got:
-                    decision = asm.offer(d.msg, d, version=state.version, consumed=state.consumed.keys())
-                    if decision.reason not in ("train", "duplicate"):
-                        # Frees admission budget now; the ack still waits for the next checkpoint.
-                        counters["groups_dropped_total"] += 1
-                if len(asm.dropped) >= run_cfg.batch_groups:
-                    await commit_dropped()
-                if not got:
-                    publish_state()
-            counters["idle_s"] += time.perf_counter() - t_wait
+            await fill_batch()
             if life.stopping.is_set():
                 break
             batch, dropped = asm.take()
@@ -150,19 +184,16 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
                 state.consumed[d.group.task.task_id] = "train"
             for d in dropped:
                 state.consumed.setdefault(d.group.task.task_id, d.reason)
+            unacked.extend(batch + dropped)
             counters["groups_trained_total"] += len(batch)
             counters["rollouts_stale_total"] = asm.rollouts_stale
-            state.counters = counters
-            t_ckpt = time.perf_counter()
-            await asyncio.to_thread(checkpoint.save, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
-            ckpt_s = time.perf_counter() - t_ckpt
-            upload_s = await upload(state.version)
-            await settle(batch + dropped)
+            await hand_over_weights()
+            ckpt_s = await commit() if state.step % cfg.checkpoint_every == 0 else 0.0
             # Groups held for the next batch may have aged past the bound with this version.
             counters["groups_dropped_total"] += len(asm.requeue_stale(state.version))
             counters["busy_s"] += time.perf_counter() - t_busy
             metrics.update(batch_stats)
-            metrics.update({"time/checkpoint_s": ckpt_s, "time/weight_upload_s": upload_s,
+            metrics.update({"time/checkpoint_s": ckpt_s, "time/weight_upload_s": last_upload_s,
                             "time/step_total_s": time.perf_counter() - t_busy})
             publish_state({k if "/" in k else f"train/{k}": float(v) for k, v in metrics.items()})
             beat.version = state.version
@@ -172,17 +203,17 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
 
     beat.state = "running"
     publish_state()
-
-    async def heartbeats() -> None:
-        await beat.loop(life)
-
     try:
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(heartbeats())
+            tg.create_task(beat.loop(life))
             tg.create_task(keep_alive())
             tg.create_task(loop())
+        # Graceful stop: what was trained becomes durable and acked; the rest goes back now.
+        if uploading is not None:
+            await uploading
+        if unacked:
+            await commit()
     finally:
-        # Unused held messages go back now rather than after ack_wait.
         for d in [*asm.kept, *asm.dropped]:
             try:
                 await d.handle.nak()

@@ -31,6 +31,7 @@ class TrainerSettings(Settings):
     baseline: Literal["mean", "leave_one_out"] = Field("mean", description="Group baseline.")
     micro_batch_seqs: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation).")
     # durability
+    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints; consumed groups are acked at each checkpoint.")
     checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept on disk.")
     transport: Literal["objstore", "file"] = Field("objstore", description="Weight transport to weight-broadcast.")
     max_steps: int = Field(0, ge=0, description="Stop after this many optimiser steps (0 = until stopped).")

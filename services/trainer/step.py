@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.policy.logprobs import completion_logprobs
+from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
 from services.policy.sampling import SamplingParams
 from services.trainer.advantages import group_advantages
 from services.trainer.batch import GroupDecision
@@ -74,6 +74,20 @@ def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedS
     return seqs, stats
 
 
+def _logprobs(model: torch.nn.Module, seqs: list[PackedSeq], params: SamplingParams, deterministic: bool) -> list[torch.Tensor]:
+    """Trainer logprobs with grad.  Deterministic mode: the batch-invariant per-sequence path the
+    generator also uses.  Default: samples of one prompt share a single prompt forward."""
+    if deterministic:
+        return completion_logprobs(model, [(s.prompt, s.completion) for s in seqs], params, deterministic=True, grad=True)
+    groups: list[tuple[list[int], list[list[int]]]] = []
+    for s in seqs:  # pack() emits the samples of a group consecutively
+        if groups and groups[-1][0] == s.prompt:
+            groups[-1][1].append(s.completion)
+        else:
+            groups.append((s.prompt, [s.completion]))
+    return [lp for g in shared_prefix_logprobs(model, groups, params, grad=True) for lp in g]
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[PackedSeq], cfg: TrainerSettings,
                ref_model: torch.nn.Module | None = None) -> dict[str, float]:
     """Forward/backward in micro-batches (exact accumulation), clip, step.  Returns metrics."""
@@ -94,9 +108,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
             by_params.setdefault(s.sampling, []).append(i)
         logps: list[torch.Tensor | None] = [None] * len(chunk)
         for params, idx in by_params.items():
-            out = completion_logprobs(model, [(chunk[i].prompt, chunk[i].completion) for i in idx], params,
-                                      deterministic=cfg.deterministic, grad=True)
-            for i, lp in zip(idx, out, strict=True):
+            for i, lp in zip(idx, _logprobs(model, [chunk[i] for i in idx], params, cfg.deterministic), strict=True):
                 logps[i] = lp
         logp = torch.cat([lp for lp in logps if lp is not None])
         behaviour = torch.cat([s.behaviour for s in chunk])

@@ -25,7 +25,7 @@ N_TASKS = 480
 def _tables(model: str) -> dict:
     return {
         "run": {"run": "faults", "model_path": model, "batch_groups": 8, "group_size": 8, "max_staleness": 1},
-        "trainer": {"lr": 1e-4, "ack_wait": 4.0},
+        "trainer": {"lr": 1e-4, "ack_wait": 4.0, "checkpoint_every": 2},
         "controller": {"eval_every": 0},
         "generator": {"max_batch_groups": 8},
         "broadcast": {}, "reward": {}, "environment": {},
