@@ -1,0 +1,278 @@
+"""The run's object store: weight bytes and claim-checked payloads, over a JetStream bucket.
+
+The bucket layout is the standard JetStream object store (``OBJ_<bucket>`` stream, chunks on
+``$O.<bucket>.C.<nuid>``, metadata on ``$O.<bucket>.M.<base64 name>``), so ``nats object`` and
+stock clients can read what we write, and we can read theirs.
+
+Why not nats-py's own ``put``/``get``: ``put`` publishes 128 KiB chunks one synchronous round trip
+at a time, and ``get`` reads through an ordered push consumer that answers flow control only
+every 0.25 s (about 66 MB/s here).  We publish 1 MiB chunks pipelined and read them with an
+ephemeral ack-none pull consumer keeping two byte-capped requests in flight, hashing on a worker
+thread while the next chunks arrive.  The digest is verified on every read: a mismatch raises
+``DigestMismatch`` naming the object and both digests, never returns the bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from nats.errors import TimeoutError as NatsTimeoutError
+from nats.js import api
+from nats.js.errors import APIError, NotFoundError
+
+from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound
+from bus.pull import PullInbox
+
+MiB = 1024 * 1024
+CHUNK_SIZE = MiB
+# Bytes in flight per transfer, both directions; far below a server's max_pending (64 MiB default).
+WINDOW_BYTES = 32 * MiB
+_DIGEST_PREFIX = "SHA-256="
+_STALL_S = 15.0
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+def _chunk_subject(bucket: str, nuid: str) -> str:
+    return f"$O.{bucket}.C.{nuid}"
+
+
+def _hex_of(digest_field: str | None) -> str:
+    if not digest_field:
+        return ""
+    b64 = digest_field.split("=", 1)[1] if digest_field.upper().startswith(_DIGEST_PREFIX) else digest_field
+    try:
+        return base64.urlsafe_b64decode(b64).hex()
+    except (ValueError, TypeError):
+        return f"<unreadable digest {digest_field!r}>"
+
+
+class _Hasher:
+    """sha256 on a worker thread, fed in order while the event loop moves the next chunks
+    (hashlib releases the GIL, so on two cores hashing and transfer overlap).  One worker
+    keeps every hasher's updates in submission order."""
+
+    _pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlbus-sha256")
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._last: Any = None
+
+    def feed(self, data: bytes | memoryview) -> None:
+        self._last = self._pool.submit(self._h.update, data)
+
+    async def hexdigest(self) -> str:
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+        return self._h.hexdigest()
+
+
+class JetStreamObjectStore:
+    """``bus.protocol.ObjectStore`` over one bucket; created on first use."""
+
+    def __init__(self, nc: Any, js: Any, bucket: str, *, api_prefix: str = "$JS.API",
+                 chunk_size: int = CHUNK_SIZE, window_bytes: int = WINDOW_BYTES) -> None:
+        self._nc = nc
+        self._js = js
+        self.bucket = bucket
+        self.stream = f"OBJ_{bucket}"
+        self._api_prefix = api_prefix
+        self.chunk_size = chunk_size
+        self.window_bytes = window_bytes
+        self._ready = False
+        self._lock = asyncio.Lock()
+
+    async def _ensure(self) -> None:
+        if self._ready:
+            return
+        async with self._lock:
+            if self._ready:
+                return
+            try:
+                await self._js.stream_info(self.stream)
+            except NotFoundError:
+                try:
+                    await self._js.create_object_store(
+                        self.bucket, config=api.ObjectStoreConfig(storage=api.StorageType.FILE))
+                except APIError as exc:
+                    if exc.err_code != 10058:  # created concurrently by another service
+                        raise BusError(f"could not create object bucket {self.bucket!r}: {exc}") from None
+            self._ready = True
+
+    # --- metadata --------------------------------------------------------------------
+    async def _info(self, name: str) -> api.ObjectInfo | None:
+        try:
+            raw = await self._js.get_last_msg(self.stream, _meta_subject(self.bucket, name), direct=True)
+        except NotFoundError:
+            return None
+        try:
+            info = api.ObjectInfo.from_response(json.loads(raw.data))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise BusError(f"object {name!r} in bucket {self.bucket!r} has unreadable metadata: {exc}") from None
+        return None if info.deleted else info
+
+    async def info(self, name: str) -> ObjectInfo:
+        await self._ensure()
+        info = await self._info(name)
+        if info is None:
+            raise ObjectNotFound(name, self.bucket)
+        return ObjectInfo(name=name, size=info.size or 0, sha256=_hex_of(info.digest))
+
+    async def _write_meta(self, info: api.ObjectInfo) -> None:
+        await self._js.publish(
+            _meta_subject(self.bucket, info.name), json.dumps(info.as_dict()).encode(),
+            headers={"Nats-Rollup": "sub"}, timeout=10.0,
+        )
+
+    # --- put ---------------------------------------------------------------------------
+    async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        await self._ensure()
+        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        size = len(view)
+        old = await self._info(name)
+        nuid = self._nc._nuid.next().decode()
+        subject = _chunk_subject(self.bucket, nuid)
+        hasher = _Hasher()
+        window = max(2, self.window_bytes // self.chunk_size)
+        pending: set[asyncio.Future[Any]] = set()
+        chunks = 0
+        try:
+            for off in range(0, size, self.chunk_size):
+                chunk = bytes(view[off:off + self.chunk_size])
+                hasher.feed(chunk)
+                pending.add(await self._js.publish_async(subject, chunk))
+                chunks += 1
+                if len(pending) >= window:
+                    done, pending = await asyncio.wait(pending, timeout=_STALL_S,
+                                                       return_when=asyncio.FIRST_COMPLETED)
+                    if not done:
+                        raise BusError(f"object put {name!r} stalled: no chunk acknowledged for {_STALL_S:.0f}s")
+                    for f in done:
+                        f.result()
+            if pending:
+                done, still = await asyncio.wait(pending, timeout=_STALL_S)
+                if still:
+                    raise BusError(f"object put {name!r} stalled: {len(still)} chunks unacknowledged")
+                for f in done:
+                    f.result()
+            digest = await hasher.hexdigest()
+            info = api.ObjectInfo(
+                name=name, bucket=self.bucket, nuid=nuid, size=size, chunks=chunks,
+                mtime=datetime.now(UTC).isoformat(),
+                digest=_DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(digest)).decode(),
+                options=api.ObjectMetaOptions(max_chunk_size=self.chunk_size),
+            )
+            await self._write_meta(info)
+        except BaseException as exc:
+            for f in pending:
+                f.cancel()
+            try:
+                await self._js.purge_stream(self.stream, subject=subject)
+            except Exception:  # noqa: BLE001 - best effort; the original error matters
+                pass
+            if isinstance(exc, (APIError, NatsTimeoutError, asyncio.TimeoutError)):
+                raise BusError(f"object put {name!r} to bucket {self.bucket!r} failed: {exc!r}") from exc
+            raise
+        if old is not None and old.nuid != nuid:
+            await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, old.nuid))
+        return ObjectInfo(name=name, size=size, sha256=digest)
+
+    # --- get ---------------------------------------------------------------------------
+    async def get(self, name: str) -> bytes:
+        await self._ensure()
+        info = await self._info(name)
+        if info is None:
+            raise ObjectNotFound(name, self.bucket)
+        size, total = info.size or 0, info.chunks or 0
+        expected = _hex_of(info.digest)
+        if size == 0 or total == 0:
+            actual = hashlib.sha256(b"").hexdigest()
+            if expected and expected != actual:
+                raise DigestMismatch(name, expected, actual)
+            return b""
+        chunk_size = max(1, -(-size // total))
+        window = max(2, self.window_bytes // chunk_size)
+        consumer = f"rlbus_get_{self._nc._nuid.next().decode()}"
+        await self._js.add_consumer(self.stream, api.ConsumerConfig(
+            name=consumer, ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.ALL,
+            filter_subject=_chunk_subject(self.bucket, info.nuid), mem_storage=True,
+            inactive_threshold=60.0, num_replicas=1,
+        ))
+        inbox = await PullInbox(self._nc, self._api_prefix, self.stream, consumer).start()
+        hasher = _Hasher()
+        parts: list[bytes] = []
+        loop = asyncio.get_running_loop()
+        try:
+            requested = got = 0
+            last_progress = loop.time()
+            while got < total:
+                # Two half-window requests in flight: one fills while we drain the other.
+                while requested - got <= window // 2 and requested < total:
+                    n = min(max(1, window // 2), total - requested)
+                    await inbox.request(n, expires=_STALL_S, max_bytes=self.window_bytes)
+                    requested += n
+                while inbox.buffer:
+                    data = inbox.buffer.popleft().data
+                    parts.append(data)
+                    hasher.feed(data)
+                    got += 1
+                    last_progress = loop.time()
+                for st in list(inbox.statuses.values()):
+                    requested -= st.pending_msgs  # expired/cut requests hand back their credit
+                inbox.statuses.clear()
+                if got >= total:
+                    break
+                if loop.time() - last_progress > _STALL_S:
+                    raise BusError(f"object get {name!r} stalled at chunk {got}/{total} for {_STALL_S:.0f}s")
+                if not inbox.buffer:
+                    await inbox.wait(1.0)
+        finally:
+            await inbox.stop()
+            try:
+                await self._js.delete_consumer(self.stream, consumer)
+            except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
+                pass
+        actual = await hasher.hexdigest()
+        if actual != expected:
+            raise DigestMismatch(name, expected or "<none recorded>", actual)
+        data = b"".join(parts)
+        if len(data) != size:
+            raise BusError(f"object {name!r} read {len(data)} bytes, metadata says {size}")
+        return data
+
+    # --- delete / list -----------------------------------------------------------------
+    async def delete(self, name: str) -> None:
+        """Remove ``name``; deleting a missing object is a no-op (deletes are retried)."""
+        await self._ensure()
+        info = await self._info(name)
+        if info is None:
+            return
+        nuid = info.nuid
+        info.deleted, info.size, info.chunks, info.digest = True, 0, 0, ""
+        info.mtime = datetime.now(UTC).isoformat()
+        try:
+            await self._write_meta(info)
+        finally:
+            await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, nuid))
+
+    async def list(self) -> list[ObjectInfo]:
+        await self._ensure()
+        si = await self._js.stream_info(self.stream, subjects_filter=f"$O.{self.bucket}.M.>")
+        out = []
+        for subject in sorted((si.state.subjects or {}).keys()):
+            try:
+                raw = await self._js.get_last_msg(self.stream, subject, direct=True)
+                info = api.ObjectInfo.from_response(json.loads(raw.data))
+            except (NotFoundError, ValueError, KeyError):
+                continue
+            if not info.deleted:
+                out.append(ObjectInfo(name=info.name, size=info.size or 0, sha256=_hex_of(info.digest)))
+        return sorted(out, key=lambda o: o.name)

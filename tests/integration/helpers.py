@@ -1,0 +1,62 @@
+"""Small helpers for the real-server bus tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from bus.protocol import ConsumerSpec
+from schemas import DeadLetter
+
+
+def task_spec(bus: Any, pool: str = "math", **kw: Any) -> ConsumerSpec:
+    params: dict[str, Any] = dict(ack_wait=2.0, max_deliver=3)
+    params.update(kw)
+    return ConsumerSpec(stream="TASKS", durable=bus.subjects.durable("generator", pool),
+                        filter_subjects=(bus.subjects.tasks(pool),), **params)
+
+
+async def dead_letters(bus: Any, n: int, timeout: float = 10.0) -> list[DeadLetter]:
+    """The first ``n`` dead letters of the run (all origins), or fail after ``timeout``."""
+    out: list[DeadLetter] = []
+    w = bus.watch(bus.subjects.all_of("dead"), deliver="all")
+    try:
+        async with asyncio.timeout(timeout):
+            async for d in w:
+                out.append(DeadLetter.decode(d.msg))
+                if len(out) >= n:
+                    break
+    finally:
+        await w.aclose()
+    return out
+
+
+async def stream_messages(bus: Any, kind: str) -> int:
+    name = bus.subjects.stream(kind)
+    return next(s.messages for s in await bus.streams() if s.name == name)
+
+
+@contextlib.asynccontextmanager
+async def consuming(bus: Any, spec: ConsumerSpec, decode: Callable[[bytes], Any],
+                    handler: Callable[[Any, Any], Awaitable[None]], **kw: Any) -> AsyncIterator[asyncio.Task[None]]:
+    """Run ``bus.consume`` in the background for the duration of the block, then cancel it."""
+    task = asyncio.create_task(bus.consume(spec, decode, handler, **kw))
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, interval: float = 0.02) -> None:
+    async with asyncio.timeout(timeout):
+        while True:
+            result = predicate()
+            if asyncio.iscoroutine(result):
+                result = await result
+            if result:
+                return
+            await asyncio.sleep(interval)
