@@ -71,7 +71,7 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
             try:
                 state.observe(Heartbeat.decode(d.msg))
             except SchemaError as exc:
-                await bus.dead_letter(d.subject, d.msg, error="SchemaError", reason=str(exc))
+                await bus.dead_letter(d.subject, d.msg, reason="schema_error", error=f"SchemaError: {exc}")
 
     async def publish_eval(version: int) -> None:
         items = []

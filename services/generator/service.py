@@ -168,7 +168,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             except (SchemaError, WeightIntegrityError, BusError, ValueError) as exc:
                 gen.dead += 1
                 log.error("weights_refused", error=str(exc))
-                await bus.dead_letter(d.subject, d.msg, error=type(exc).__name__, reason=str(exc))
+                await bus.dead_letter(d.subject, d.msg, reason="weights_refused", error=f"{type(exc).__name__}: {exc}")
 
     async def follow_control() -> None:
         async def one(subject: str) -> None:
@@ -177,7 +177,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                     gen.on_control(Control.decode(d.msg))
                     wake.set()
                 except SchemaError as exc:
-                    await bus.dead_letter(d.subject, d.msg, error="SchemaError", reason=str(exc))
+                    await bus.dead_letter(d.subject, d.msg, reason="schema_error", error=f"SchemaError: {exc}")
 
         async with asyncio.TaskGroup() as tg:
             tg.create_task(one(subjects.control("generator", cfg.instance)))
@@ -229,8 +229,9 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             gen.started += n_train
             gen.in_flight = len(deliveries)
             batch, kept = [], []
-            for d, is_eval in deliveries:
-                prompt = await prompt_of(d)
+            # Environment resets of a batch run concurrently (one round trip, not one per task).
+            prompts = await asyncio.gather(*(prompt_of(d) for d, _ in deliveries))
+            for (d, is_eval), prompt in zip(deliveries, prompts, strict=True):
                 if prompt is None:
                     if not is_eval:
                         gen.started -= 1  # never started: give the slot back
