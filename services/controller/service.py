@@ -18,7 +18,7 @@ from bus.protocol import Bus
 from bus.subjects import Subjects
 from observability.logging import get_logger
 from schemas import Control, Heartbeat, SchemaError, Task
-from services.controller.law import GeneratorView, TrainerView, eval_due, plan_admission
+from services.controller.law import GeneratorView, TrainerView, eval_due, plan_balanced
 from services.controller.settings import ControllerSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -33,6 +33,7 @@ class ControllerState:
         self.generators: dict[tuple[str, str], GeneratorView] = {}
         self.trainer = TrainerView()
         self.heartbeats: dict[tuple[str, str], Heartbeat] = {}
+        self.kept_fraction = float("nan")
 
     def observe(self, hb: Heartbeat) -> None:
         self.heartbeats[(hb.service, hb.instance)] = hb
@@ -43,6 +44,8 @@ class ControllerState:
             g.started = int(hb.metrics.get("generator/groups_started", g.started))
             g.published = int(hb.metrics.get("generator/groups_published", g.published))
             g.rate = float(hb.metrics.get("generator/groups_per_s", g.rate))
+            if hb.version >= 0:
+                g.weights_version = hb.version
             g.last_seen = 0.0 if hb.state == "stopped" else now
         elif hb.service == "trainer":
             self.trainer.version = int(hb.metrics.get("trainer/version", self.trainer.version))
@@ -50,6 +53,12 @@ class ControllerState:
             self.trainer.trained_groups = int(hb.metrics.get("trainer/groups_trained_total", self.trainer.trained_groups))
             self.trainer.last_seen = now
             self.trainer.done = hb.state == "done"
+            self.trainer.pending_groups = int(hb.metrics.get("trainer/pending_groups", 0))
+            kept = hb.metrics.get("trainer/groups_train", 0.0)
+            lost = hb.metrics.get("trainer/groups_filtered", 0.0) + hb.metrics.get("trainer/groups_invalid", 0.0)
+            # Share of groups that survive filtering; stale drops are excluded so over-sampling
+            # cannot feed on its own surplus.  No measurement yet: no over-sampling.
+            self.kept_fraction = kept / (kept + lost) if kept + lost >= 32 else float("nan")
 
 
 async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: Lifecycle) -> None:
@@ -85,12 +94,13 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
         nonlocal seq, last_eval
         while not await life.sleep(cfg.period):
             now = time.time()
-            plan = plan_admission(list(state.generators.values()), state.trainer, batch_groups=run_cfg.batch_groups,
-                                  max_staleness=run_cfg.max_staleness, now=now, silent_after=cfg.silent_after,
-                                  max_outstanding=cfg.max_outstanding)
-            # A generator whose weights are older than this would only produce samples the
-            # trainer must refuse as stale: it waits for the next version instead.
-            min_version = max(state.trainer.version - run_cfg.max_staleness, 0)
+            plan = plan_balanced(list(state.generators.values()), state.trainer, batch_groups=run_cfg.batch_groups,
+                                 max_staleness=run_cfg.max_staleness, now=now, silent_after=cfg.silent_after,
+                                 max_outstanding=cfg.max_outstanding, kept_fraction=state.kept_fraction)
+            # Groups admitted now are trained up to max_staleness versions from now, so they must
+            # start from the trainer's current weights: older ones would arrive stale and be
+            # refused.  The generator waits for the new version (a fetch, ~0.1 s here) instead.
+            min_version = state.trainer.version
             for (instance, boot), grant in plan.grants.items():
                 g = state.generators[(instance, boot)]
                 prev = sent.get((instance, boot))
@@ -101,11 +111,12 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
                               params={"boot": boot, "grant_total": grant, "min_version": min_version},
                               reason=plan.reason,
                               inputs={"trainer_version": state.trainer.version, "allowed_total": plan.allowed_total,
+                                      "oversample": plan.oversample, "kept_fraction": state.kept_fraction,
                                       "started_total": plan.started_total, "dropped": state.trainer.dropped_groups},
                               issued_at=now)
                 await bus.publish(subjects.control("generator", instance), ctl.encode(), msg_id=f"ctl.{seq}")
                 sent[(instance, boot)] = ((grant, min_version), now)
-            beat.metrics.update({"controller/allowed_total": plan.allowed_total,
+            beat.metrics.update({"controller/allowed_total": plan.allowed_total, "controller/oversample": plan.oversample,
                                  "controller/started_total": plan.started_total,
                                  "controller/live_generators": sum(g.alive for g in state.generators.values()),
                                  "controller/trainer_version": state.trainer.version})

@@ -152,11 +152,17 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         t_wait = time.perf_counter()
         while not asm.full and not life.stopping.is_set():
             got = await puller.fetch(max(run_cfg.batch_groups - len(asm.kept), 1) * 2, timeout=cfg.fetch_timeout)
+            dropped_before = counters["groups_dropped_total"]
             for d in got:
                 decision = asm.offer(d.msg, d, version=state.version, consumed=state.consumed.keys())
                 if decision.reason not in ("train", "duplicate"):
                     # Frees admission budget now; the ack still waits for the next checkpoint.
                     counters["groups_dropped_total"] += 1
+            if counters["groups_dropped_total"] > dropped_before:
+                # The controller re-admits dropped groups only once it hears of them: tell it now
+                # rather than at the next periodic heartbeat, or the trainer idles meanwhile.
+                publish_state()
+                await beat.send()
             if len(asm.dropped) >= run_cfg.batch_groups:
                 await commit_dropped()
             if not got:

@@ -1,0 +1,57 @@
+"""Cost of deterministic mode: generator tokens/s and trainer step time, default vs
+deterministic, same model, same prompts, same process (ratios are what to read).
+
+    .venv/bin/python bench/deterministic_cost.py
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    from services.policy.load import load_policy
+    from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
+    from services.policy.sampler import GroupSampler, StaticSlot
+    from services.policy.sampling import SamplingParams
+    from services.tasks.addition import make_split
+
+    model, tok = load_policy("models/tiny-addition")
+    prompts = [[tok.bos_token_id, *tok.encode(t.prompt, add_special_tokens=False)] for t in make_split("train", 32, 7)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    out: dict[str, float] = {}
+    for mode in ("default", "deterministic"):
+        sampler = GroupSampler(StaticSlot(model), deterministic=mode == "deterministic")
+        times, tokens = [], 0
+        for i in range(6):
+            gen = torch.Generator().manual_seed(i)
+            t0 = time.perf_counter()
+            groups = sampler.sample_groups(prompts, 8, params, gen)
+            times.append(time.perf_counter() - t0)
+            tokens = sum(len(s.completion_ids) for g in groups for s in g)
+        out[f"generator_tokens_per_s/{mode}"] = tokens / statistics.median(times[1:])
+        seqs = [(p, s.completion_ids) for p, g in zip(prompts, groups, strict=True) for s in g]
+        grouped = [(p, [s.completion_ids for s in g]) for p, g in zip(prompts, groups, strict=True)]
+        step_times = []
+        for _ in range(4):
+            model.zero_grad()
+            t0 = time.perf_counter()
+            if mode == "deterministic":
+                lps = completion_logprobs(model, seqs, params, deterministic=True, grad=True)
+            else:
+                lps = [x for g in shared_prefix_logprobs(model, grouped, params, grad=True) for x in g]
+            torch.cat(lps).sum().backward()
+            step_times.append(time.perf_counter() - t0)
+        out[f"trainer_fwd_bwd_s/{mode}"] = statistics.median(step_times[1:])
+    out["generator_slowdown"] = out["generator_tokens_per_s/default"] / out["generator_tokens_per_s/deterministic"]
+    out["trainer_slowdown"] = out["trainer_fwd_bwd_s/deterministic"] / out["trainer_fwd_bwd_s/default"]
+    print(json.dumps({k: round(v, 4) for k, v in out.items()}))
+
+
+if __name__ == "__main__":
+    main()
