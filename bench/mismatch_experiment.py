@@ -27,7 +27,7 @@ RUNS = {
 
 def _toml(model: str, steps: int, extra: dict[str, dict[str, object]], lr: float) -> str:
     lines = ["[run]", 'run = "mismatch"', f'model_path = "{model}"', "batch_groups = 32", "group_size = 8",
-             "[up]", f"max_steps = {steps}", "train_tasks = 12000", "eval_tasks = 200",
+             "[up]", f"max_steps = {steps}", "stop_at_accuracy = 0.0", "eval_tasks = 200",
              "[controller]", "eval_every = 25", "[trainer]", f"lr = {lr}"]
     for table, values in extra.items():
         body = [f"{k} = {json.dumps(v)}" for k, v in values.items()]

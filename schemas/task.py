@@ -6,9 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.base import Message, array_field, ArraySpec, invalid
-
 import numpy as np
+
+from schemas.base import ArraySpec, Message, array_field, invalid
 
 I32 = array_field(ArraySpec("<i4"))
 

@@ -259,6 +259,8 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             for d, _ in kept:
                 await d.ack()
             gen.note_published(sum(not e for _, e in kept), sum(e for _, e in kept))
+            log.debug("batch", train=sum(not e for _, e in kept), eval=sum(e for _, e in kept), version=backend.version,
+                      grant=gen.grant_total, started=gen.started)
             gen.in_flight = 0
 
     beat.state = "running"

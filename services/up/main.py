@@ -63,23 +63,13 @@ def export_final_policy(run_cfg: RunSettings, run_dir: Path) -> Path | None:
     return out
 
 
-async def publish_tasks(url: str, run_cfg: RunSettings, train: Path, up_cfg: UpSettings) -> int:
-    from bus.jetstream import JetStreamBus
-    from bus.subjects import Subjects
+def read_tasks(run_cfg: RunSettings, train: Path) -> list[Any]:
     from services.runtime.taskfile import read_task_file
 
     tasks, errors = read_task_file(train, run=run_cfg.run, pool=run_cfg.pools[0], group_size=run_cfg.group_size)
     if errors:
         raise ConfigError(f"generated task file {train} has invalid lines: {errors[:3]}")
-    subjects = Subjects(run_cfg.run)
-    bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-publish")
-    try:
-        for start in range(0, len(tasks), 1024):
-            chunk = tasks[start:start + 1024]
-            await bus.publish_many([(subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in chunk])
-    finally:
-        await bus.close()
-    return len(tasks)
+    return tasks
 
 
 def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: str | None, view: bool) -> int:
@@ -121,11 +111,12 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
             children.start(name, name, resolved)
         for i in range(up_cfg.generators):
             children.start(f"generator-{i}", "generator", resolved, env={"RLBUS_GENERATOR__INSTANCE": f'"gen-{i}"'})
-        n = asyncio.run(publish_tasks(server.url, run_cfg, train, up_cfg))
-        print(f"rlbus up: run folder {folder}; {n} training tasks published; NATS at {server.url}", flush=True)
+        tasks = read_tasks(run_cfg, train)
+        print(f"rlbus up: run folder {folder}; {len(tasks)} training tasks (fed as the backlog drains); "
+              f"NATS at {server.url}", flush=True)
         from services.up.watch import watch
 
-        code = asyncio.run(watch(server.url, run_cfg, up_cfg, folder, children, view=view))
+        code = asyncio.run(watch(server.url, run_cfg, up_cfg, folder, children, tasks, view=view))
     except KeyboardInterrupt:
         print("rlbus up: interrupted, stopping services …", file=sys.stderr)
         code = 130

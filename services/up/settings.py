@@ -8,10 +8,10 @@ from services.runtime.config import Settings
 
 
 class UpSettings(Settings):
-    train_tasks: int = Field(8192, ge=1, description="3-digit addition tasks published to the train pool.")
+    train_tasks: int = Field(65536, ge=1, description="3-digit addition tasks for the train pool (published as the backlog drains).")
     eval_tasks: int = Field(200, ge=0, description="Held-out tasks (never trained on) evaluated every eval_every versions.")
-    max_steps: int = Field(120, ge=1, description="Stop after this many trainer steps.")
-    stop_at_accuracy: float = Field(0.0, ge=0, le=1, description="Also stop once held-out accuracy reaches this (0 = run all steps).")
+    max_steps: int = Field(1000, ge=1, description="Stop after this many trainer steps.")
+    stop_at_accuracy: float = Field(0.9, ge=0, le=1, description="Also stop once held-out accuracy reaches this (0 = run all steps).")
     seed: int = Field(0, description="Seed of the model build and the task sets.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Generator backend.")
     generators: int = Field(1, ge=1, le=64, description="Generator processes.")

@@ -24,8 +24,32 @@ def _line(row: dict[str, Any], mon: Monitor) -> str:
             f"k3 {row.get('mismatch/k3_kl', 0):.2e}  idle {row.get('trainer/idle_fraction', 0):.2f}")
 
 
-async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children, *,
-                view: bool) -> int:
+FEED_CHUNK = 2048
+
+
+async def feed(bus: Any, subjects: Any, tasks: list[Any], stop: asyncio.Event) -> None:
+    """Publish training tasks as the backlog drains, so a long run never runs dry and a short one
+    does not wait for tens of thousands of publishes before the first step."""
+    durable = subjects.durable("generator", tasks[0].pool) if tasks else ""
+    sent = 0
+    while sent < len(tasks) and not stop.is_set():
+        backlog = 0
+        for s in await bus.streams():
+            for c in s.consumers:
+                if c.name == durable:
+                    backlog = c.pending + c.ack_pending
+        if sent == 0 or backlog < FEED_CHUNK:
+            chunk = tasks[sent:sent + FEED_CHUNK]
+            await bus.publish_many([(subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in chunk])
+            sent += len(chunk)
+            continue
+        await asyncio.sleep(1.0)
+    if sent >= len(tasks):
+        print(f"rlbus up: all {len(tasks)} training tasks published; raise [up].train_tasks for longer runs", flush=True)
+
+
+async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
+                tasks: list[Any], *, view: bool) -> int:
     from bus.jetstream import JetStreamBus
     from bus.subjects import Subjects
 
@@ -99,7 +123,8 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
                 stop.set()
             await asyncio.sleep(0.5)
 
-    tasks = [asyncio.create_task(f()) for f in (follow_metrics, follow_eval, follow_children)]
+    workers = [asyncio.create_task(f()) for f in (follow_metrics, follow_eval, follow_children)]
+    workers.append(asyncio.create_task(feed(bus, subjects, tasks, stop)))
     try:
         await stop.wait()
         if outcome["code"] == 0 and up_cfg.eval_tasks and not outcome["why"].startswith("held-out"):
@@ -107,9 +132,9 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(_await_eval(mon, mon.version), timeout=60)
     finally:
-        for t in tasks:
+        for t in workers:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*workers, return_exceptions=True)
         if progress is not None:
             live.stop()
         await bus.close()
