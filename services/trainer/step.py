@@ -141,6 +141,17 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
     metrics = dict(totals)
     metrics.update(mismatch_metrics(trainer_lp, behaviour_lp, mask_all, seq_all, is_low=cfg.is_low,
                                     is_high=cfg.is_high, is_cap=cfg.is_cap))
+    # The gap above mixes two causes: staleness (the sample came from an older version) and
+    # numerics (same version, different kernels/precision).  Tokens of fresh samples isolate the
+    # numerical training-inference gap.
+    fresh_seq = torch.tensor([s.staleness == 0 for s in seqs], dtype=torch.bool)
+    fresh_tok = mask_all & fresh_seq[seq_all]
+    metrics["mismatch_fresh/tokens"] = float(fresh_tok.sum())
+    if bool(fresh_tok.any()):
+        fresh = mismatch_metrics(trainer_lp, behaviour_lp, fresh_tok, seq_all, is_low=cfg.is_low,
+                                 is_high=cfg.is_high, is_cap=cfg.is_cap)
+        for key in ("abs_diff_mean", "abs_diff_max", "k3_kl"):
+            metrics[f"mismatch_fresh/{key}"] = fresh[f"mismatch/{key}"]
     metrics["mismatch/ratio_first_token"] = float(torch.exp(trainer_lp[0] - behaviour_lp[0])) if len(trainer_lp) else 1.0
     metrics["train/grad_norm"] = grad_norm
     metrics["train/skipped_nonfinite"] = 0.0 if math.isfinite(grad_norm) else 1.0

@@ -1,0 +1,89 @@
+"""Throughput and stage times of a pipeline run, as JSON.
+
+Reads a run folder written by `rlbus up` (or runs one: `--run N` steps with the default config)
+and prints trained samples/s, median time per stage (train step, checkpoint,
+weight hand-over, weight propagation) and the trainer idle fraction.
+
+    .venv/bin/python bench/pipeline_bench.py --run 100          # run rlbus up for 100 steps, then report
+    .venv/bin/python bench/pipeline_bench.py runs/demo-…         # report on an existing run folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def _events(path: Path, name: str) -> dict[int, float]:
+    out: dict[int, float] = {}
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if not line.startswith("{"):
+            continue
+        d = json.loads(line)
+        if d.get("event") == name and "version" in d:
+            out[int(d["version"])] = datetime.datetime.fromisoformat(d["timestamp"].replace("Z", "+00:00")).timestamp()
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def report(run_dir: Path) -> dict[str, object]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    if len(train) < 3:
+        raise SystemExit(f"{run_dir}: fewer than 3 trainer steps in metrics.jsonl")
+    span = train[-1]["t"] - train[0]["t"]
+    samples = sum(r["batch/rollouts_trained"] for r in train[1:])
+    logs = run_dir / "logs"
+    steps, published = _events(logs / "trainer.log", "step"), _events(logs / "broadcast.log", "weights_published")
+    staged = _events(logs / "generator-0.log", "weights_staged")
+    last = train[-1]
+    return {
+        "run_dir": str(run_dir),
+        "steps": len(train),
+        "trained_samples_per_s": round(samples / span, 2) if span > 0 else None,
+        "seconds_per_step": round(span / (len(train) - 1), 4),
+        "trainer_idle_fraction": round(last["trainer/idle_fraction"], 4),
+        "stage_median_s": {
+            "train_step": _median([r["train/step_s"] for r in train]),
+            "checkpoint": _median([r["time/checkpoint_s"] for r in train if r["time/checkpoint_s"] > 0]),
+            "weight_upload": _median([r["time/weight_upload_s"] for r in train if r["time/weight_upload_s"] > 0]),
+            "step_to_weights_published": _median([published[v] - steps[v] for v in steps if v in published]),
+            "published_to_generator_staged": _median([staged[v] - published[v] for v in published if v in staged]),
+        },
+        "generator_tokens_per_s_median": _median([r["generator/tokens_per_s"] for r in train if r["generator/tokens_per_s"]]),
+        "groups": {k.split("/")[-1]: last[k] for k in last if k.startswith("trainer/groups_") and not k.endswith("total")},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir", nargs="?")
+    ap.add_argument("--run", type=int, default=0, help="run rlbus up for this many steps first")
+    args = ap.parse_args()
+    if args.run:
+        run_dir = Path(tempfile.mkdtemp(prefix="rlbus-bench-")) / "run"
+        cfg = run_dir.parent / "bench.toml"
+        cfg.write_text("[up]\nstop_at_accuracy = 0.0\n[controller]\neval_every = 50\n")
+        subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--steps", str(args.run), "--run-dir",
+                        str(run_dir), "--no-view"], check=True, capture_output=True)
+    elif args.run_dir:
+        run_dir = Path(args.run_dir)
+    else:
+        ap.error("give a run folder or --run N")
+    print(json.dumps(report(run_dir), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
