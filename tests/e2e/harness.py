@@ -101,3 +101,18 @@ def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def run_up(tmp_path: Path, config_toml: str, *, timeout: float) -> tuple[Path, list[dict[str, Any]]]:
+    """Run `rlbus up` with this config as a user would; return the run folder and its metrics rows."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "run.toml"
+    config.write_text(config_toml)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir", str(run_dir),
+                           "--no-view"], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return run_dir, rows

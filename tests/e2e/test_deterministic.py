@@ -4,19 +4,17 @@ bit for bit: max |Δ logprob| is exactly 0 and every importance weight is exactl
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.harness import run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def test_deterministic_mode_is_bit_exact_over_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
-    config = tmp_path / "run.toml"
-    config.write_text(f"""
+    _, rows = run_up(tmp_path, f"""
 [run]
 run = "determ"
 model_path = "{tiny_model}"
@@ -34,13 +32,8 @@ deterministic = true
 train_tasks = 400
 eval_tasks = 0
 max_steps = 5
-""")
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir", str(run_dir),
-                           "--no-view"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    train = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in train if r["kind"] == "train"]
+""", timeout=600)
+    train = [r for r in rows if r["kind"] == "train"]
     assert len(train) >= 5
     for r in train:
         assert r["mismatch/abs_diff_max"] == 0.0, r

@@ -72,7 +72,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
         assert joined.version >= latest >= 3
 
         # --- kill -9 the trainer, restart it: it resumes from its checkpoint -------------------
-        hb = await wait_heartbeat(bus, lambda h: h.service == "trainer" and h.version >= 5, timeout=240)
+        await wait_heartbeat(bus, lambda h: h.service == "trainer" and h.version >= 5, timeout=240)
         p.kill9("trainer")
         killed_at = checkpoint_state(tmp_path)["step"]
         p.start("trainer-2", "trainer")
@@ -85,7 +85,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
         why = [f"{d.reason}: {d.error}" for d in dead]
         assert any("unknown environment 'nope'" in w for w in why), why
         assert any("empty prompt" in w for w in why), why
-        assert any("non-finite" in w and d.origin_subject == s.rollouts("train") for w, d in zip(why, dead)), why
+        assert any("non-finite" in w and d.origin_subject == s.rollouts("train") for w, d in zip(why, dead, strict=True)), why
         assert any("sha256" in w for w in why), why
         assert all(d.data for d in dead), "dead letters keep the original bytes"
         latest_after = WeightManifest.decode(await bus.last(s.weights("policy"))).version

@@ -3,19 +3,17 @@ nats-server) must raise held-out accuracy and batch reward by a clear margin."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.e2e.harness import run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
 def test_rlbus_up_learns_addition(tiny_model: Path, tmp_path: Path) -> None:
-    config = tmp_path / "run.toml"
-    config.write_text(f"""
+    run_dir, rows = run_up(tmp_path, f"""
 [run]
 run = "learn"
 model_path = "{tiny_model}"
@@ -32,15 +30,10 @@ max_steps = 60
 
 [controller]
 eval_every = 20
-""")
-    run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir", str(run_dir),
-                           "--no-view"], capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+""", timeout=900)
     evals = [r for r in rows if r["kind"] == "eval"]
     train = [r for r in rows if r["kind"] == "train"]
-    assert len(train) >= 60, proc.stdout[-2000:]
+    assert len(train) >= 60
     assert evals[0]["eval_round"] == 0 and evals[-1]["eval_round"] >= 60, evals
     first, last = evals[0]["heldout/accuracy"], evals[-1]["heldout/accuracy"]
     assert last >= first + 0.15, f"held-out accuracy {first:.3f} -> {last:.3f}: no clear learning"
