@@ -26,15 +26,18 @@ RUNS = {
 
 
 def _toml(model: str, steps: int, extra: dict[str, dict[str, object]], lr: float) -> str:
-    lines = ["[run]", 'run = "mismatch"', f'model_path = "{model}"', "batch_groups = 32", "group_size = 8",
-             "[up]", f"max_steps = {steps}", "stop_at_accuracy = 0.0", "eval_tasks = 200",
-             "[controller]", "eval_every = 25", "[trainer]", f"lr = {lr}"]
+    tables: dict[str, dict[str, object]] = {
+        "run": {"run": "mismatch", "model_path": model, "batch_groups": 32, "group_size": 8},
+        "up": {"max_steps": steps, "stop_at_accuracy": 0.0, "eval_tasks": 200},
+        "controller": {"eval_every": 20},
+        "trainer": {"lr": lr},
+    }
     for table, values in extra.items():
-        body = [f"{k} = {json.dumps(v)}" for k, v in values.items()]
-        if table == "trainer":
-            lines += body
-        else:
-            lines += [f"[{table}]", *body]
+        tables.setdefault(table, {}).update(values)
+    lines = []
+    for table, values in tables.items():
+        lines.append(f"[{table}]")
+        lines += [f"{k} = {json.dumps(v)}" for k, v in values.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -64,6 +67,7 @@ def main() -> int:
         evals = [r for r in rows if r["kind"] == "eval"]
         results[name] = {
             "exit": proc.returncode,
+            "error": proc.stderr[-400:] if proc.returncode else "",
             "steps": len(train),
             "heldout_first": evals[0]["heldout/accuracy"] if evals else None,
             "heldout_final": evals[-1]["heldout/accuracy"] if evals else None,
