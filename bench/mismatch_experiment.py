@@ -74,6 +74,8 @@ def main() -> int:
             "k3_kl_mean": statistics.fmean(r["mismatch/k3_kl"] for r in train) if train else None,
             "abs_diff_mean": statistics.fmean(r["mismatch/abs_diff_mean"] for r in train) if train else None,
             "ess_mean": statistics.fmean(r["mismatch/ess"] for r in train) if train else None,
+            "fresh_abs_diff_mean": _mean(train, "mismatch_fresh/abs_diff_mean"),
+            "fresh_k3_kl_mean": _mean(train, "mismatch_fresh/k3_kl"),
             "truncated_frac_mean": statistics.fmean(r["mismatch/truncated_frac"] for r in train) if train else None,
             "wall_s": train[-1]["t"] if train else None,
             "curve": [(r["t"], r["heldout/accuracy"]) for r in evals],
@@ -81,6 +83,12 @@ def main() -> int:
     _plot(results, out / "mismatch.png")
     print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in results.items()}, indent=1))
     return 0
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float | None:
+    """Mean of a metric over the steps that have it (fresh-sample metrics need fresh samples)."""
+    vals = [r[key] for r in rows if key in r]
+    return statistics.fmean(vals) if vals else None
 
 
 def _plot(results: dict[str, dict[str, object]], path: Path) -> None:
