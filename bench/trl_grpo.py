@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer on the 3-digit addition task: the reference that bench/vs_trl.py races rlbus against.
 
-Same recipe as `rlbus up` (see /work/shared/DESIGN.md, "Reference learning curve"): the same warm-start
+Same recipe as `rlbus up` (the design brief's "Reference learning curve"): the same warm-start
 Hugging Face folder, 32 prompts x 8 samples per optimiser step, AdamW lr 1e-4 constant, no KL
 (beta 0), temperature 1.0, at most 6 new tokens, clip 0.2 / 0.28 (rlbus's clip_low/clip_high),
 token-mean loss ("dapo"), group-std advantages, grad clip 1.0, one torch thread, CPU, no vLLM.
