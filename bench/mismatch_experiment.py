@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from services.up.monitor import load_metrics
+
 RUNS = {
     "fp32 (no gap), tis": {"generator": {"dtype": "float32"}, "trainer": {"correction": "tis"}},
     "bf16 gen, none": {"generator": {"dtype": "bfloat16"}, "trainer": {"correction": "none"}},
@@ -61,8 +63,7 @@ def main() -> int:
         run_dir = out / slug
         proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--run-dir", str(run_dir),
                                "--no-view"], capture_output=True, text=True)
-        rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if (
-            run_dir / "metrics.jsonl").exists() else []
+        rows = load_metrics(run_dir / "metrics.jsonl")
         train = [r for r in rows if r["kind"] == "train"]
         evals = [r for r in rows if r["kind"] == "eval"]
         results[name] = {

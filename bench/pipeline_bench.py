@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from services.up.monitor import load_metrics
+
 
 def _events(path: Path, name: str) -> dict[int, float]:
     out: dict[int, float] = {}
@@ -38,7 +40,7 @@ def _median(xs: list[float]) -> float | None:
 
 
 def report(run_dir: Path) -> dict[str, object]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = load_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]
     if len(train) < 3:
         raise SystemExit(f"{run_dir}: fewer than 3 trainer steps in metrics.jsonl")

@@ -41,6 +41,10 @@ def _write_json(path: Path, obj: object) -> None:
         os.fsync(fh.fileno())
 
 
+def _state_record(state: TrainerState) -> dict[str, object]:
+    return {"step": state.step, "version": state.version, "consumed": state.consumed, "counters": state.counters}
+
+
 def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, *, keep: int) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{state.step:08d}"
@@ -54,8 +58,7 @@ def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
     for f in ("model.safetensors", "optimizer.pt"):
         with open(tmp / f, "rb+") as fh:
             os.fsync(fh.fileno())
-    _write_json(tmp / "state.json", {"step": state.step, "version": state.version, "consumed": state.consumed,
-                                      "counters": state.counters})
+    _write_json(tmp / "state.json", _state_record(state))
     _fsync_dir(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -90,7 +93,6 @@ def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         return
     folder = root / json.loads(pointer.read_text())["checkpoint"]
     tmp = folder / "state.json.tmp"
-    _write_json(tmp, {"step": state.step, "version": state.version, "consumed": state.consumed,
-                      "counters": state.counters})
+    _write_json(tmp, _state_record(state))
     os.replace(tmp, folder / "state.json")
     _fsync_dir(folder)

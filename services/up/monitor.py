@@ -18,6 +18,13 @@ from typing import Any
 from schemas import Heartbeat, ScoredGroup
 
 
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a run's ``metrics.jsonl`` (empty when the run wrote none)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @dataclass
 class Monitor:
     path: Path

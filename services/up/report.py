@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from services.up.monitor import load_metrics
 
 
 def write_report(metrics_path: Path, out: Path) -> Path | None:
@@ -12,7 +13,7 @@ def write_report(metrics_path: Path, out: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()] if metrics_path.exists() else []
+    rows = load_metrics(metrics_path)
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     if not train:

@@ -14,7 +14,8 @@ from typing import Any
 from bus.jetstream import JetStreamBus
 from bus.server import EmbeddedServer
 from bus.subjects import Subjects
-from schemas import DeadLetter, Heartbeat, SchemaError
+from schemas import Heartbeat, SchemaError
+from services.up.monitor import load_metrics
 from services.up.procs import Child, Children
 from services.up.tomlw import dumps
 
@@ -74,20 +75,6 @@ async def wait_heartbeat(bus: JetStreamBus, pred: Callable[[Heartbeat], bool], t
     raise AssertionError("unreachable")
 
 
-async def dead_letters(bus: JetStreamBus, *, timeout: float = 2.0) -> list[DeadLetter]:
-    out: list[DeadLetter] = []
-    w = bus.watch(bus.subjects.all_of("dead"), deliver="all")
-    try:
-        async with asyncio.timeout(timeout):
-            async for d in w:
-                out.append(DeadLetter.decode(d.msg))
-    except TimeoutError:
-        pass
-    finally:
-        await w.aclose()
-    return out
-
-
 def checkpoint_state(root: Path) -> dict[str, Any]:
     ckpt = root / "checkpoints"
     folder = ckpt / json.loads((ckpt / "latest").read_text())["checkpoint"]
@@ -114,5 +101,4 @@ def run_up(tmp_path: Path, config_toml: str, *, timeout: float) -> tuple[Path, l
     proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir", str(run_dir),
                            "--no-view"], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return run_dir, rows
+    return run_dir, load_metrics(run_dir / "metrics.jsonl")

@@ -15,7 +15,8 @@ import pytest
 
 from schemas import Rollout, RolloutGroup, Shard, Task, WeightManifest
 from services.tasks.addition import make_split
-from tests.e2e.harness import Pipeline, checkpoint_state, dead_letters, wait_heartbeat
+from tests.e2e.harness import Pipeline, checkpoint_state, wait_heartbeat
+from tests.integration.helpers import dead_letters
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -81,7 +82,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
         assert resumed.version >= killed_at + 3
 
         # --- every bad input is in DEAD with a reason that says what was wrong ---------------
-        dead = await dead_letters(bus)
+        dead = await dead_letters(bus, None, timeout=2.0)
         why = [f"{d.reason}: {d.error}" for d in dead]
         assert any("unknown environment 'nope'" in w for w in why), why
         assert any("empty prompt" in w for w in why), why

@@ -18,16 +18,20 @@ def task_spec(bus: Any, pool: str = "math", **kw: Any) -> ConsumerSpec:
                         filter_subjects=(bus.subjects.tasks(pool),), **params)
 
 
-async def dead_letters(bus: Any, n: int, timeout: float = 10.0) -> list[DeadLetter]:
-    """The first ``n`` dead letters of the run (all origins), or fail after ``timeout``."""
+async def dead_letters(bus: Any, n: int | None, timeout: float = 10.0) -> list[DeadLetter]:
+    """The first ``n`` dead letters of the run (all origins), or fail after ``timeout``.
+    ``n=None``: every dead letter that arrives within ``timeout`` (the stream is replayed from its start)."""
     out: list[DeadLetter] = []
     w = bus.watch(bus.subjects.all_of("dead"), deliver="all")
     try:
         async with asyncio.timeout(timeout):
             async for d in w:
                 out.append(DeadLetter.decode(d.msg))
-                if len(out) >= n:
+                if n is not None and len(out) >= n:
                     break
+    except TimeoutError:
+        if n is not None:
+            raise
     finally:
         await w.aclose()
     return out
