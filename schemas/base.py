@@ -95,8 +95,8 @@ class Message:
     # --- encode ---------------------------------------------------------------------
     def _to_wire(self) -> dict[str, Any]:
         out: dict[str, Any] = {_KIND: self.KIND, _VERSION: self.VERSION}
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            out[f.name] = _encode_value(getattr(self, f.name))
+        for name in _field_names(type(self)):
+            out[name] = _encode_value(getattr(self, name))
         return out
 
     def encode(self) -> bytes:
@@ -116,17 +116,17 @@ class Message:
         return cls._from_wire(raw)
 
     @classmethod
-    def _from_wire(cls: type[M], raw: Any, path: str = "") -> M:
+    def _from_wire(cls: type[M], raw: Any, path: Path = "") -> M:
         if not isinstance(raw, dict):
             raise SchemaError(
-                "payload is not a map", schema=cls.KIND, version=cls.VERSION, field=path or "<root>",
+                "payload is not a map", schema=cls.KIND, version=cls.VERSION, field=_path(path) or "<root>",
                 expected="map", got=type(raw).__name__,
             )
         kind = raw.get(_KIND)
         if kind != cls.KIND:
             raise SchemaError(
                 "wrong message kind on this subject", schema=cls.KIND, version=cls.VERSION,
-                field=(path + "." if path else "") + _KIND, expected=repr(cls.KIND), got=repr(kind),
+                field=_path((path, _KIND)), expected=repr(cls.KIND), got=repr(kind),
             )
         version = raw.get(_VERSION)
         if not isinstance(version, int) or isinstance(version, bool) or version < 1:
@@ -140,24 +140,23 @@ class Message:
                 "on this service", schema=cls.KIND, version=cls.VERSION, field="$v",
                 expected=f"<= {cls.VERSION}", got=str(version),
             )
-        hints = _hints(cls)
+        ctx = (cls.KIND, version)
         kwargs: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            name = (path + "." if path else "") + f.name
-            if f.name not in raw:
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        for name, required, tp, check in _plan(cls):
+            if name not in raw:
+                if required:
                     raise SchemaError(
-                        "required field is missing", schema=cls.KIND, version=version, field=name,
-                        expected=_type_name(hints[f.name]), got="nothing",
+                        "required field is missing", schema=cls.KIND, version=version, field=_path((path, name)),
+                        expected=_type_name(tp), got="nothing",
                     )
                 continue
-            kwargs[f.name] = _check(hints[f.name], raw[f.name], name, cls.KIND, version)
+            kwargs[name] = check(raw[name], (path, name) if path else name, ctx)
         try:
             msg = cls(**kwargs)
         except SchemaError:
             raise
         except (TypeError, ValueError) as exc:
-            raise SchemaError(str(exc), schema=cls.KIND, version=version, field=path) from None
+            raise SchemaError(str(exc), schema=cls.KIND, version=version, field=_path(path)) from None
         return msg
 
     def __post_init__(self) -> None:
@@ -167,15 +166,48 @@ class Message:
         """Cross-field checks; raise ``SchemaError``.  Run on construction and on decode."""
 
 
-_HINT_CACHE: dict[type, dict[str, Any]] = {}
+# A field path is built only when an error names it: decoding a rollout group would otherwise
+# format a string per field and per list item of every message.  ``str`` is a top-level field,
+# ``(parent, name)`` a nested field, ``(parent, index)`` a list item, ``(parent, (key,))`` a map value.
+Path = str | tuple[Any, Any]
+Ctx = tuple[str, int]  # (schema kind, version) of the message being decoded
+Checker = typing.Callable[[Any, Path, Ctx], Any]
 
 
-def _hints(cls: type) -> dict[str, Any]:
-    hints = _HINT_CACHE.get(cls)
-    if hints is None:
+def _path(p: Path) -> str:
+    if isinstance(p, str):
+        return p
+    parent, key = p
+    head = _path(parent)
+    if isinstance(key, int):
+        return f"{head}[{key}]"
+    if isinstance(key, tuple):
+        return f"{head}[{key[0]!r}]"
+    return f"{head}.{key}" if head else key
+
+
+_NAMES: dict[type, tuple[str, ...]] = {}
+_PLANS: dict[type, list[tuple[str, bool, Any, Checker]]] = {}
+_CHECKERS: dict[Any, Checker] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    names = _NAMES.get(cls)
+    if names is None:
+        names = _NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+    return names
+
+
+def _plan(cls: type) -> list[tuple[str, bool, Any, Checker]]:
+    """Per message class, once: (field, required, type, checker) for every field."""
+    plan = _PLANS.get(cls)
+    if plan is None:
         hints = typing.get_type_hints(cls, include_extras=True)
-        _HINT_CACHE[cls] = hints
-    return hints
+        plan = [(f.name, f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING,
+                 hints[f.name], _checker(hints[f.name]))
+                for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        _PLANS[cls] = plan
+    return plan
 
 
 def _type_name(tp: Any) -> str:
@@ -188,107 +220,132 @@ def _type_name(tp: Any) -> str:
     return str(tp).replace("typing.", "")
 
 
-def _fail(schema: str, version: int, field: str, tp: Any, value: Any, why: str = "wrong type") -> SchemaError:
+def _fail(ctx: Ctx, field: Path, tp: Any, value: Any, why: str = "wrong type") -> SchemaError:
     got = type(value).__name__
     if isinstance(value, (int, float, str)) and not isinstance(value, bool):
         got += f" {str(value)[:40]!r}"
-    return SchemaError(why, schema=schema, version=version, field=field, expected=_type_name(tp), got=got)
+    return SchemaError(why, schema=ctx[0], version=ctx[1], field=_path(field), expected=_type_name(tp), got=got)
 
 
-def _check(tp: Any, value: Any, field: str, schema: str, version: int) -> Any:
+def _checker(tp: Any) -> Checker:
+    """The validating converter for one declared type, built once and cached: the type
+    introspection happens here, not per value."""
+    check = _CHECKERS.get(tp)
+    if check is None:
+        check = _CHECKERS[tp] = _build_checker(tp)
+    return check
+
+
+def _scalar(tp: type, ok: typing.Callable[[Any], bool], convert: typing.Callable[[Any], Any] | None = None) -> Checker:
+    def check(value: Any, field: Path, ctx: Ctx) -> Any:
+        if not ok(value):
+            raise _fail(ctx, field, tp, value)
+        return convert(value) if convert is not None else value
+    return check
+
+
+def _build_checker(tp: Any) -> Checker:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
-        return value
+        return lambda value, field, ctx: value
     if origin is typing.Annotated:
-        return _check_array(args[1], value, field, schema, version)
+        spec = args[1]
+        return lambda value, field, ctx: _check_array(spec, value, field, ctx)
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        errors = []
-        for a in inner:
-            try:
-                return _check(a, value, field, schema, version)
-            except SchemaError as exc:
-                errors.append(exc)
-        raise _fail(schema, version, field, tp, value)
+        nullable = type(None) in args
+        inner = [_checker(a) for a in args if a is not type(None)]
+
+        def check_union(value: Any, field: Path, ctx: Ctx) -> Any:
+            if value is None and nullable:
+                return None
+            for c in inner:
+                try:
+                    return c(value, field, ctx)
+                except SchemaError:
+                    pass
+            raise _fail(ctx, field, tp, value)
+        return check_union
     if origin is typing.Literal:
-        if value not in args:
-            raise _fail(schema, version, field, tp, value, "value not allowed")
-        return value
+        def check_literal(value: Any, field: Path, ctx: Ctx) -> Any:
+            if value not in args:
+                raise _fail(ctx, field, tp, value, "value not allowed")
+            return value
+        return check_literal
     if origin in (list, tuple):
-        if not isinstance(value, list):
-            raise _fail(schema, version, field, tp, value)
-        item_tp = args[0] if args else Any
-        items = [_check(item_tp, v, f"{field}[{i}]", schema, version) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        item = _checker(args[0] if args else Any)
+        as_tuple = origin is tuple
+
+        def check_seq(value: Any, field: Path, ctx: Ctx) -> Any:
+            if not isinstance(value, list):
+                raise _fail(ctx, field, tp, value)
+            items = [item(v, (field, i), ctx) for i, v in enumerate(value)]
+            return tuple(items) if as_tuple else items
+        return check_seq
     if origin is dict:
-        if not isinstance(value, dict):
-            raise _fail(schema, version, field, tp, value)
         key_tp, val_tp = args if args else (str, Any)
-        return {
-            _check(key_tp, k, f"{field}.<key>", schema, version): _check(val_tp, v, f"{field}[{k!r}]", schema, version)
-            for k, v in value.items()
-        }
+        check_key, check_val = _checker(key_tp), _checker(val_tp)
+
+        def check_map(value: Any, field: Path, ctx: Ctx) -> Any:
+            if not isinstance(value, dict):
+                raise _fail(ctx, field, tp, value)
+            return {check_key(k, (field, "<key>"), ctx): check_val(v, (field, (k,)), ctx) for k, v in value.items()}
+        return check_map
     if isinstance(tp, type) and issubclass(tp, Message):
-        return tp._from_wire(value, field)
+        return lambda value, field, ctx: tp._from_wire(value, field)
     if tp is bool:
-        if not isinstance(value, bool):
-            raise _fail(schema, version, field, tp, value)
-        return value
+        return _scalar(tp, lambda v: isinstance(v, bool))
     if tp is int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _fail(schema, version, field, tp, value)
-        return value
+        return _scalar(tp, lambda v: isinstance(v, int) and not isinstance(v, bool))
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _fail(schema, version, field, tp, value)
-        return float(value)
+        return _scalar(tp, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), float)
     if tp is str:
-        if not isinstance(value, str):
-            raise _fail(schema, version, field, tp, value)
-        return value
+        return _scalar(tp, lambda v: isinstance(v, str))
     if tp is bytes:
-        if not isinstance(value, bytes):
-            raise _fail(schema, version, field, tp, value)
-        return value
-    raise SchemaError(f"codec does not support type {tp!r}", schema=schema, version=version, field=field)
+        return _scalar(tp, lambda v: isinstance(v, bytes))
+
+    def unsupported(value: Any, field: Path, ctx: Ctx) -> Any:
+        raise SchemaError(f"codec does not support type {tp!r}", schema=ctx[0], version=ctx[1], field=_path(field))
+    return unsupported
 
 
-def _check_array(spec: ArraySpec, value: Any, field: str, schema: str, version: int) -> np.ndarray:
+def _check_array(spec: ArraySpec, value: Any, field: Path, ctx: Ctx) -> np.ndarray:
     tp = typing.Annotated[np.ndarray, spec]
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
-        raise _fail(schema, version, field, tp, value, "array must be a map {dtype, shape, data}")
+    if not isinstance(value, dict) or len(value) != 3 or "dtype" not in value or "shape" not in value \
+            or "data" not in value:
+        raise _fail(ctx, field, tp, value, "array must be a map {dtype, shape, data}")
     dtype, shape, data = value["dtype"], value["shape"], value["data"]
     if dtype != spec.dtype:
-        raise _fail(schema, version, field, tp, dtype, f"array dtype must be {spec.dtype}")
+        raise _fail(ctx, field, tp, dtype, f"array dtype must be {spec.dtype}")
     if (
         not isinstance(shape, list) or len(shape) != spec.ndim
         or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
     ):
-        raise _fail(schema, version, field, tp, shape, f"array shape must be {spec.ndim} non-negative ints")
+        raise _fail(ctx, field, tp, shape, f"array shape must be {spec.ndim} non-negative ints")
     if not isinstance(data, bytes):
-        raise _fail(schema, version, field, tp, data, "array data must be bytes")
-    dt = np.dtype(dtype)
+        raise _fail(ctx, field, tp, data, "array data must be bytes")
+    dt = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, np.dtype(dtype))
     count = math.prod(shape)
     if count * dt.itemsize != len(data):
         raise SchemaError(
-            "array byte length does not match dtype x shape", schema=schema, version=version, field=field,
+            "array byte length does not match dtype x shape", schema=ctx[0], version=ctx[1], field=_path(field),
             expected=f"{count * dt.itemsize} bytes", got=f"{len(data)} bytes",
         )
     # Zero-copy view over the bytes msgpack handed us (read-only, as it should be).
     try:
         arr = np.frombuffer(data, dtype=dt).reshape(shape)
     except ValueError as exc:  # e.g. a zero-size shape whose other dimensions overflow numpy
-        raise _fail(schema, version, field, tp, shape, f"array shape is not representable ({exc})") from None
+        raise _fail(ctx, field, tp, shape, f"array shape is not representable ({exc})") from None
     if spec.finite and dt.kind == "f" and arr.size and not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr.reshape(-1)))[0])
         raise SchemaError(
             f"array holds a non-finite value at flat index {bad}; the producer computed NaN/inf",
-            schema=schema, version=version, field=field, expected="finite floats", got=str(arr.reshape(-1)[bad]),
+            schema=ctx[0], version=ctx[1], field=_path(field), expected="finite floats", got=str(arr.reshape(-1)[bad]),
         )
     return arr
+
+
+_DTYPES: dict[str, np.dtype[Any]] = {}
 
 
 def invalid(msg: Message, field: str, why: str, *, expected: str = "", got: str = "") -> SchemaError:

@@ -201,8 +201,12 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
     async def gather() -> list[tuple[Delivery[Task], bool]]:
         """Eval tasks first (never admitted), then training tasks within the grant."""
         got: list[tuple[Delivery[Task], bool]] = []
+        # A held-out round is hundreds of single greedy samples: take it in one backend call
+        # (sized like one training batch in sequences) rather than many small ones, which cost
+        # a decode loop each and delay the training batch behind them.
+        eval_room = cfg.max_batch_groups * run_cfg.group_size
         for p in eval_pullers.values():
-            for d in await p.fetch(cfg.max_batch_groups, timeout=0.01):
+            for d in await p.fetch(eval_room, timeout=0.01):
                 got.append((d, True))
         room = min(gen.budget, cfg.max_batch_groups)
         for p in train_pullers.values():
@@ -229,8 +233,10 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             gen.started += n_train
             gen.in_flight = len(deliveries)
             batch, kept = [], []
+            t_env = time.perf_counter()
             # Environment resets of a batch run concurrently (one round trip, not one per task).
             prompts = await asyncio.gather(*(prompt_of(d) for d, _ in deliveries))
+            t_sample = time.perf_counter()
             for (d, is_eval), prompt in zip(deliveries, prompts, strict=True):
                 if prompt is None:
                     if not is_eval:
@@ -250,6 +256,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 gen.in_flight = 0
                 continue
             beat.version = backend.version
+            t_publish = time.perf_counter()
             items = []
             # Single-turn environments end after the one completion; the multi-turn loop
             # (EnvStep per turn, observations appended with loss_mask 0) plugs in here.
@@ -259,8 +266,10 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             for d, _ in kept:
                 await d.ack()
             gen.note_published(sum(not e for _, e in kept), sum(e for _, e in kept))
+            t_done = time.perf_counter()
             log.debug("batch", train=sum(not e for _, e in kept), eval=sum(e for _, e in kept), version=backend.version,
-                      grant=gen.grant_total, started=gen.started)
+                      grant=gen.grant_total, started=gen.started, env_s=round(t_sample - t_env, 4),
+                      sample_s=round(t_publish - t_sample, 4), publish_s=round(t_done - t_publish, 4))
             gen.in_flight = 0
 
     beat.state = "running"

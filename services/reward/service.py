@@ -77,4 +77,5 @@ async def run(run_cfg: RunSettings, cfg: RewardSettings, *, bus: Bus, life: Life
                         max_ack_pending=4 * cfg.batch)
     beat.state = "running"
     await run_until_stopped(life, lambda: beat.loop(life),
-                            lambda: bus.consume(spec, RolloutGroup.decode, handle, batch=cfg.batch))
+                            lambda: bus.consume(spec, RolloutGroup.decode, handle, batch=cfg.batch,
+                                                concurrency=cfg.concurrency))

@@ -8,4 +8,5 @@ from services.runtime.config import Settings
 class RewardSettings(Settings):
     instance: str = Field("reward-0", description="Instance name (metrics subject token).")
     batch: int = Field(32, ge=1, le=512, description="Rollout groups fetched per pull.")
+    concurrency: int = Field(8, ge=1, le=256, description="Groups scored and published at once (overlaps publish round trips; verifiers run inline).")
     format_weight: float = Field(0.0, ge=0.0, description="Added reward for a well-formed answer (0 = off).")

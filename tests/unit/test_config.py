@@ -30,7 +30,7 @@ FROZEN_KEYS: dict[type[Settings], list[str]] = {
                       "clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
                       "kl_coef", "aggregation", "normalize_std", "baseline", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
                       "transport", "max_steps", "ack_wait", "fetch_timeout"],
-    RewardSettings: ["instance", "batch", "format_weight"],
+    RewardSettings: ["instance", "batch", "concurrency", "format_weight"],
     EnvironmentSettings: ["instance"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "in_use_ttl"],
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
