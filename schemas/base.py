@@ -67,7 +67,12 @@ def array_field(spec: ArraySpec) -> Any:
     return typing.Annotated[np.ndarray, spec]
 
 
+_PLAIN = frozenset({int, float, str, bool, bytes, type(None)})
+
+
 def _encode_value(value: Any) -> Any:
+    if type(value) in _PLAIN:  # most values: no conversion, checked first
+        return value
     if isinstance(value, Message):
         return value._to_wire()
     if isinstance(value, np.ndarray):
