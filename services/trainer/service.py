@@ -12,12 +12,15 @@ last one.  A crash redelivers what was not checkpointed; the checkpoint's consum
 redeliveries of committed groups into acks, so no group is trained twice in the surviving model.
 Versions are a monotonic identity of published weights: a resumed trainer continues after the
 newest version ever published, so a number never names two different sets of weights.
+Under torchrun (``[trainer] distributed``) this is rank 0; the other ranks only follow its
+steps and state gathers (distributed.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import time
 from pathlib import Path
 
@@ -33,10 +36,10 @@ from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
 from services.runtime.weights import make_transport
-from services.trainer import checkpoint
+from services.trainer import checkpoint, distributed
 from services.trainer.batch import Assembler, GroupDecision
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import pack, train_step
+from services.trainer.step import make_optimizer, pack, train_step
 
 log = get_logger()
 
@@ -54,8 +57,23 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
     run_dir = Path(run_cfg.run_dir)
     model, _ = await asyncio.to_thread(load_policy, run_cfg.model_path, dtype=cfg.dtype,
                                        attn="eager" if cfg.deterministic else "sdpa")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     ref_model = copy.deepcopy(model).eval() if cfg.kl_coef > 0 else None
+    optimizer: torch.optim.Optimizer
+    sharded: distributed.ShardedPolicy | None = None
+    if distributed.backend_for(cfg.distributed) is not None:
+        # Under torchrun: rank 0 is this service; the other ranks only take part in steps and
+        # state gathers, on rank 0's command, until it stops them (see distributed.py).
+        sharded = await asyncio.to_thread(distributed.ShardedPolicy.join, model, cfg, ref_model)
+        if sharded.rank > 0:
+            await asyncio.to_thread(sharded.follow)
+            return
+        # Stand-ins that gather/scatter the full state over every rank: checkpoint and
+        # weights_bytes use nothing but state_dict()/load_state_dict() of a model or optimizer.
+        model, optimizer = sharded.model_view, sharded.optimizer_view  # type: ignore[assignment]
+        step_fn = sharded.train_step
+    else:
+        optimizer = make_optimizer(model, cfg)
+        step_fn = functools.partial(train_step, model, optimizer, cfg=cfg, ref_model=ref_model)
     ckpt_dir = run_dir / "checkpoints"
     state = await asyncio.to_thread(checkpoint.load_latest, ckpt_dir, model, optimizer) or checkpoint.TrainerState()
     transport = make_transport(cfg.transport, bus=bus, root=run_dir)
@@ -183,7 +201,7 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             batch, dropped = asm.take()
             t_busy = time.perf_counter()
             seqs, batch_stats = pack(batch, cfg)
-            metrics = await asyncio.to_thread(train_step, model, optimizer, seqs, cfg, ref_model)
+            metrics = await asyncio.to_thread(step_fn, seqs)
             state.step += 1
             state.version += 1
             for d in batch:
@@ -225,3 +243,5 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
                 await d.handle.nak()
             except Exception as exc:  # the connection may already be gone
                 log.warning("nak_on_shutdown_failed", error=repr(exc))
+        if sharded is not None:
+            await asyncio.to_thread(sharded.close)

@@ -37,3 +37,6 @@ class TrainerSettings(Settings):
     max_steps: int = Field(0, ge=0, description="Stop after this many optimiser steps (0 = until stopped).")
     ack_wait: float = Field(30.0, gt=1, description="Seconds before an un-acked scored group is redelivered (held ones are heartbeated; a crashed trainer's come back after this).")
     fetch_timeout: float = Field(0.5, gt=0, description="Seconds one pull waits for scored groups.")
+    distributed: Literal["auto", "off", "gloo", "nccl"] = Field(
+        "auto", description="Data-parallel FSDP2 training under torchrun: 'auto' = on when WORLD_SIZE > 1 (nccl with "
+                            "CUDA, else gloo on CPU); 'gloo'/'nccl' force that backend; 'off' = single process.")

@@ -40,6 +40,10 @@ def objective_config(cfg: TrainerSettings) -> ObjectiveConfig:
                            seq_high=cfg.seq_high, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation)
 
 
+def make_optimizer(model: torch.nn.Module, cfg: TrainerSettings) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
 def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedSeq], dict[str, float]]:
     """Advantages per group, then one PackedSeq per trained rollout."""
     n = max(len(d.group.scored) for d in batch)
@@ -88,18 +92,21 @@ def _logprobs(model: torch.nn.Module, seqs: list[PackedSeq], params: SamplingPar
     return [lp for g in shared_prefix_logprobs(model, groups, params, grad=True) for lp in g]
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[PackedSeq], cfg: TrainerSettings,
-               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
-    """Forward/backward in micro-batches (exact accumulation), clip, step.  Returns metrics."""
-    t0 = time.perf_counter()
+def batch_counts(seqs: list[PackedSeq]) -> tuple[int, int]:
+    """(trained tokens, sequences with at least one trained token) of the whole batch: the
+    normalisers that make micro-batch (and per-rank) losses sum to the full-batch loss."""
+    return int(sum(int(s.loss_mask.sum()) for s in seqs)), sum(1 for s in seqs if bool(s.loss_mask.any()))
+
+
+def accumulate(model: torch.nn.Module, seqs: list[PackedSeq], cfg: TrainerSettings, ref_model: torch.nn.Module | None,
+               *, n_tokens_total: int, n_seqs_total: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Forward/backward of ``seqs`` in micro-batches, gradients added to ``.grad``.  The loss is
+    normalised by the given whole-batch counts, so any split of a batch (micro-batches, ranks)
+    accumulates the full-batch gradient.  Returns the summed loss metrics and the detached
+    trainer logprobs of each micro-batch, in ``seqs`` order."""
     obj = objective_config(cfg)
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    n_tokens_total = int(sum(int(s.loss_mask.sum()) for s in seqs))
-    n_seqs_total = sum(1 for s in seqs if bool(s.loss_mask.any()))
     totals: dict[str, float] = {}
-    all_trainer, all_behaviour, all_mask, all_seq = [], [], [], []
-    offset = 0
+    trainer_lps: list[torch.Tensor] = []
     for start in range(0, len(seqs), cfg.micro_batch_seqs):
         chunk = seqs[start: start + cfg.micro_batch_seqs]
         # Sequences with different sampling params need their own processed distribution.
@@ -111,10 +118,11 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
             for i, lp in zip(idx, _logprobs(model, [chunk[i] for i in idx], params, cfg.deterministic), strict=True):
                 logps[i] = lp
         logp = torch.cat([lp for lp in logps if lp is not None])
-        behaviour = torch.cat([s.behaviour for s in chunk])
-        mask = torch.cat([s.loss_mask for s in chunk])
-        seq_index = torch.cat([torch.full((len(s.completion),), k, dtype=torch.long) for k, s in enumerate(chunk)])
-        advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32)[seq_index]
+        device = logp.device  # .to() is free on CPU; on an accelerator the batch data follows the model
+        behaviour = torch.cat([s.behaviour for s in chunk]).to(device)
+        mask = torch.cat([s.loss_mask for s in chunk]).to(device)
+        seq_index = torch.cat([torch.full((len(s.completion),), k, dtype=torch.long) for k, s in enumerate(chunk)]).to(device)
+        advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32, device=device)[seq_index]
         ref_logp = None
         if ref_model is not None and cfg.kl_coef > 0:
             with torch.no_grad():
@@ -127,17 +135,16 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
         loss.backward()
         for k, v in m.items():
             totals[k] = totals.get(k, 0.0) + v
-        all_trainer.append(logp.detach())
-        all_behaviour.append(behaviour)
-        all_mask.append(mask)
-        all_seq.append(seq_index + offset)
-        offset += len(chunk)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
-    if math.isfinite(grad_norm):
-        optimizer.step()
-    model.eval()
-    trainer_lp, behaviour_lp = torch.cat(all_trainer), torch.cat(all_behaviour)
-    mask_all, seq_all = torch.cat(all_mask), torch.cat(all_seq)
+        trainer_lps.append(logp.detach())
+    return totals, trainer_lps
+
+
+def step_metrics(seqs: list[PackedSeq], totals: dict[str, float], trainer_lp: torch.Tensor, grad_norm: float,
+                 cfg: TrainerSettings, t0: float) -> dict[str, float]:
+    """Metrics of a whole batch from its summed loss metrics and every token's trainer logprob."""
+    behaviour_lp = torch.cat([s.behaviour for s in seqs])
+    mask_all = torch.cat([s.loss_mask for s in seqs])
+    seq_all = torch.cat([torch.full((len(s.completion),), k, dtype=torch.long) for k, s in enumerate(seqs)])
     metrics = dict(totals)
     metrics.update(mismatch_metrics(trainer_lp, behaviour_lp, mask_all, seq_all, is_low=cfg.is_low,
                                     is_high=cfg.is_high, is_cap=cfg.is_cap))
@@ -155,7 +162,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
     metrics["mismatch/ratio_first_token"] = float(torch.exp(trainer_lp[0] - behaviour_lp[0])) if len(trainer_lp) else 1.0
     metrics["train/grad_norm"] = grad_norm
     metrics["train/skipped_nonfinite"] = 0.0 if math.isfinite(grad_norm) else 1.0
-    metrics["train/tokens"] = float(n_tokens_total)
+    metrics["train/tokens"] = float(int(mask_all.sum()))
     metrics["train/step_s"] = time.perf_counter() - t0
     stal = [s.staleness for s in seqs]
     metrics["staleness/mean"] = float(np.mean(stal)) if stal else 0.0
@@ -164,3 +171,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
         metrics[f"staleness/hist_{k}"] = float(sum(1 for x in stal if x == k))
     metrics["staleness/hist_5plus"] = float(sum(1 for x in stal if x >= 5))
     return metrics
+
+
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[PackedSeq], cfg: TrainerSettings,
+               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
+    """Forward/backward in micro-batches (exact accumulation), clip, step.  Returns metrics."""
+    t0 = time.perf_counter()
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    n_tokens_total, n_seqs_total = batch_counts(seqs)
+    totals, trainer_lps = accumulate(model, seqs, cfg, ref_model, n_tokens_total=n_tokens_total,
+                                     n_seqs_total=n_seqs_total)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    model.eval()
+    return step_metrics(seqs, totals, torch.cat(trainer_lps), grad_norm, cfg, t0)

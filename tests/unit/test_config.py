@@ -29,7 +29,7 @@ FROZEN_KEYS: dict[type[Settings], list[str]] = {
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
                       "clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
                       "kl_coef", "aggregation", "normalize_std", "baseline", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
-                      "transport", "max_steps", "ack_wait", "fetch_timeout"],
+                      "transport", "max_steps", "ack_wait", "fetch_timeout", "distributed"],
     RewardSettings: ["instance", "batch", "concurrency", "format_weight"],
     EnvironmentSettings: ["instance"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "in_use_ttl"],
