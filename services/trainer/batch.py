@@ -11,6 +11,7 @@ when no rollout is valid.  Every dropped group is recorded with its reason; noth
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,7 @@ class Assembler:
     rollouts_stale: int = 0
     rollouts_invalid: int = 0
 
-    def offer(self, group: ScoredGroup, handle: Any, *, version: int, consumed: set[str]) -> GroupDecision:
+    def offer(self, group: ScoredGroup, handle: Any, *, version: int, consumed: Container[str]) -> GroupDecision:
         gid = group.task.task_id
         staleness = [version - s.rollout.oldest_version for s in group.scored]
         valid = [s.valid for s in group.scored]

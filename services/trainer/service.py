@@ -22,12 +22,13 @@ import asyncio
 import copy
 import functools
 import time
+from collections.abc import Container
 from pathlib import Path
 
 import torch
 from safetensors.torch import save as save_safetensors
 
-from bus.protocol import Bus, ConsumerSpec
+from bus.protocol import Bus, ConsumerSpec, Delivery
 from bus.subjects import Subjects
 from observability.logging import get_logger
 from schemas import ScoredGroup, TensorMeta, WeightManifest
@@ -39,9 +40,19 @@ from services.runtime.weights import make_transport
 from services.trainer import checkpoint, distributed
 from services.trainer.batch import Assembler, GroupDecision
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import make_optimizer, pack, train_step
+from services.trainer.step import PackedSeq, make_optimizer, pack, train_step
 
 log = get_logger()
+
+
+class _Either:
+    """Membership in either of two containers, without copying a growing ledger."""
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
 
 
 def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
@@ -166,26 +177,43 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             for d in [*asm.kept, *asm.dropped, *unacked]:
                 await d.handle.in_progress()
 
+    async def absorb(got: list[Delivery[ScoredGroup]], *, consumed: Container[str], may_commit: bool = True) -> None:
+        dropped_before = counters["groups_dropped_total"]
+        for d in got:
+            decision = asm.offer(d.msg, d, version=state.version, consumed=consumed)
+            if decision.reason not in ("train", "duplicate"):
+                # Frees admission budget now; the ack still waits for the next checkpoint.
+                counters["groups_dropped_total"] += 1
+        if counters["groups_dropped_total"] > dropped_before:
+            # The controller re-admits dropped groups only once it hears of them: tell it now
+            # rather than at the next periodic heartbeat, or the trainer idles meanwhile.
+            publish_state()
+            await beat.send()
+        if may_commit and len(asm.dropped) >= run_cfg.batch_groups:
+            await commit_dropped()
+
     async def fill_batch() -> None:
         t_wait = time.perf_counter()
         while not asm.full and not life.stopping.is_set():
             got = await puller.fetch(max(run_cfg.batch_groups - len(asm.kept), 1) * 2, timeout=cfg.fetch_timeout)
-            dropped_before = counters["groups_dropped_total"]
-            for d in got:
-                decision = asm.offer(d.msg, d, version=state.version, consumed=state.consumed.keys())
-                if decision.reason not in ("train", "duplicate"):
-                    # Frees admission budget now; the ack still waits for the next checkpoint.
-                    counters["groups_dropped_total"] += 1
-            if counters["groups_dropped_total"] > dropped_before:
-                # The controller re-admits dropped groups only once it hears of them: tell it now
-                # rather than at the next periodic heartbeat, or the trainer idles meanwhile.
-                publish_state()
-                await beat.send()
-            if len(asm.dropped) >= run_cfg.batch_groups:
-                await commit_dropped()
+            await absorb(got, consumed=state.consumed.keys())
             if not got:
                 publish_state()
         counters["idle_s"] += time.perf_counter() - t_wait
+
+    async def step_and_prefetch(seqs: list[PackedSeq], in_step: set[str]) -> dict[str, float]:
+        """Run the step in a worker thread and meanwhile take in what arrives for the next batch:
+        decoding and judging groups then overlaps the step instead of following it.  Groups of
+        the running step count as consumed (a redelivered copy is a duplicate), and no ledger is
+        written while the step mutates the model (that waits for ``fill_batch``)."""
+        step = asyncio.ensure_future(asyncio.to_thread(step_fn, seqs))
+        consumed = _Either(state.consumed.keys(), in_step)
+        while not step.done() and not asm.full:
+            got = await puller.fetch(run_cfg.batch_groups, timeout=0.05)
+            await absorb(got, consumed=consumed, may_commit=False)
+            if not got:
+                await asyncio.wait([step], timeout=0.05)
+        return await step
 
     async def loop() -> None:
         while not life.stopping.is_set():
@@ -201,7 +229,7 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             batch, dropped = asm.take()
             t_busy = time.perf_counter()
             seqs, batch_stats = pack(batch, cfg)
-            metrics = await asyncio.to_thread(step_fn, seqs)
+            metrics = await step_and_prefetch(seqs, {d.group.task.task_id for d in batch})
             state.step += 1
             state.version += 1
             for d in batch:
