@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
         "and that cost is on its clock.",
         "rlbus drops zero-variance groups and trains on 32 informative groups per step (more sampling per step); "
         "TRL trains on 32 groups whatever their variance (zero-variance groups get advantage 0).",
-        "rlbus is asynchronous (max_staleness 1, truncated IS); TRL is on-policy (1 generation per step).",
+        "rlbus is asynchronous (max_staleness 2, truncated IS); TRL is on-policy (1 generation per step).",
         "The two runs are sequential on a shared machine: compare loadavg_before_*; one seed each.",
         "t_to_* is the first evaluation at or above the threshold; a 200-task accuracy has ~0.03 standard error, "
         "so t_to_sustained (two consecutive evaluations at or above it) is the less noisy reading.",
