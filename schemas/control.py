@@ -7,7 +7,9 @@ from typing import Any, Literal
 
 from schemas.base import Message
 
-Action = Literal["admit", "pause", "resume", "drain", "assign_pools", "concurrency", "evaluate", "stop"]
+# Appended only (an older decoder refuses a value it does not know, so a new action is read only
+# by services that handle it): "set_mix" asks the controller for a new target mix between pools.
+Action = Literal["admit", "pause", "resume", "drain", "assign_pools", "concurrency", "evaluate", "stop", "set_mix"]
 
 
 @dataclass(frozen=True)

@@ -1,52 +1,198 @@
-"""``rlbus status``: every service instance of a run, from its heartbeats, plus queue depths."""
+"""``rlbus status``: every service instance of a run, the queues between them, the last decision
+about each, and the controller's balance of trainer consumption C against effective production E.
+
+Built from what is on the bus, so it works from any machine: the last heartbeat of every instance
+(METRICS), the last control decision of each kind (CONTROL) and the consumer state of every stream.
+``build_snapshot`` and ``render`` are pure (tested without a server); ``--json`` prints the snapshot.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
+from collections.abc import Iterable, Mapping
 from typing import Any
+
+GEN, TRAINER, CONTROLLER = "generator", "trainer", "controller"
+WORK_STREAMS = ("_TASKS", "_ROLLOUTS", "_SCORED")  # where the durable consumers (and queue depths) are
+
+
+def _num(x: Any, nd: int = 3) -> Any:
+    if isinstance(x, float):
+        return round(x, nd) if math.isfinite(x) else None
+    return x
+
+
+def _last_decisions(decisions: Iterable[Any], now: float) -> dict[str, dict[str, Any]]:
+    """The newest decision per target ``service/instance`` (and per service for ``all``)."""
+    out: dict[str, tuple[int, dict[str, Any]]] = {}
+    for c in decisions:
+        key = f"{c.target_service}/{c.target_instance}"
+        if key not in out or c.seq > out[key][0]:
+            out[key] = (c.seq, {"action": c.action, "params": c.params, "reason": c.reason,
+                                "age_s": round(now - c.issued_at, 1) if c.issued_at else None})
+    return {k: v for k, (_, v) in sorted(out.items())}
+
+
+def _pools(metrics: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """Per-pool balance from the controller's heartbeat (``controller/pool/<p>/<what>``, target mix)."""
+    pools: dict[str, dict[str, Any]] = {}
+    for k, v in metrics.items():
+        parts = k.split("/")
+        if len(parts) == 4 and parts[:2] == ["controller", "pool"]:
+            pools.setdefault(parts[2], {})[parts[3]] = _num(v)
+        elif len(parts) == 3 and parts[1] in ("target", "trained_since_target"):
+            pools.setdefault(parts[2], {})[parts[1]] = _num(v)
+    for p in pools.values():
+        c, e = p.get("consumption"), p.get("effective")
+        p["e_over_c"] = round(e / c, 3) if c and e is not None else None
+    return dict(sorted(pools.items()))
+
+
+def build_snapshot(run: str, heartbeats: Iterable[Any], streams: Iterable[Any], decisions: Iterable[Any],
+                   now: float) -> dict[str, Any]:
+    """Everything ``rlbus status`` shows, as plain data (the ``--json`` output)."""
+    hbs = {f"{hb.service}/{hb.instance}": hb for hb in heartbeats}
+    last = _last_decisions(decisions, now)
+    trainer = next((hb for k, hb in sorted(hbs.items()) if hb.service == TRAINER and hb.state != "stopped"), None)
+    controller = next((hb for k, hb in sorted(hbs.items()) if hb.service == CONTROLLER), None)
+    trainer_version = trainer.version if trainer is not None else None
+    ctl = controller.metrics if controller is not None else {}
+    instances = {}
+    for key, hb in sorted(hbs.items()):
+        m = hb.metrics
+        row: dict[str, Any] = {"service": hb.service, "instance": hb.instance, "state": hb.state, "version": hb.version,
+                               "age_s": round(now - hb.ts, 1), "rate": None, "lag": None, "in_flight": None}
+        if hb.service == GEN:
+            row |= {"rate": _num(m.get("generator/groups_per_s")), "in_flight": _num(m.get("generator/in_flight")),
+                    "concurrency": _num(m.get("generator/concurrency")), "pools": hb.info.get("pools", []),
+                    "shares": hb.info.get("shares", {}), "started": _num(m.get("generator/groups_started")),
+                    "granted": _num(m.get("generator/grant_total")),
+                    "effective_rate": _num(ctl.get(f"controller/generator/{hb.instance}/effective_rate")),
+                    "latency_s": _num(ctl.get(f"controller/generator/{hb.instance}/latency_s"))}
+        elif hb.service == TRAINER:
+            row |= {"rate": _num(ctl.get("controller/balance/consumption")),
+                    "in_flight": _num(m.get("trainer/pending_groups")), "idle_fraction": _num(m.get("trainer/idle_fraction")),
+                    "step": _num(m.get("trainer/step")), "trained": _num(m.get("trainer/groups_trained_total")),
+                    "dropped": _num(m.get("trainer/groups_dropped_total")), "stale": _num(m.get("trainer/groups_stale"))}
+        elif hb.service == "reward":
+            row |= {"rate": _num(m.get("reward/groups_per_s")), "in_flight": _num(m.get("reward/in_flight"))}
+        if trainer_version is not None and hb.version >= 0 and hb.service in (GEN, "broadcast"):
+            row["lag"] = trainer_version - hb.version
+        row["last_decision"] = last.get(key)
+        instances[key] = row
+    queues = {}
+    for s in streams:
+        queues[s.name] = {"messages": s.messages, "consumers": {
+            c.name: {"pending": c.pending, "ack_pending": c.ack_pending, "redelivered": c.redelivered} for c in s.consumers}}
+    balance = {k.rsplit("/", 1)[1]: _num(v) for k, v in ctl.items() if k.startswith("controller/balance/")}
+    c, e = balance.get("consumption"), balance.get("effective")
+    balance["e_over_c"] = round(e / c, 3) if c and e is not None else None
+    if trainer is not None:
+        balance["trainer_idle_fraction_total"] = _num(trainer.metrics.get("trainer/idle_fraction"))
+        balance["trainer_version"] = trainer.version
+    balance["generator_groups_per_s"] = _num(sum(hb.metrics.get("generator/groups_per_s", 0.0) for hb in hbs.values()
+                                                 if hb.service == GEN and hb.state != "stopped"))
+    admission = {k.split("/", 1)[1]: _num(v) for k, v in ctl.items()
+                 if k in ("controller/allowed_total", "controller/trained_bound", "controller/oversample",
+                          "controller/started_total", "controller/live_generators")}
+    if ctl:
+        admission["mix_measured_on"] = "trainer" if ctl.get("controller/mix_from_trainer", 0.0) else "generators"
+    return {"run": run, "at": now, "instances": instances, "queues": queues, "balance": balance,
+            "pools": _pools(ctl), "admission": admission,
+            "decisions": {k: v for k, v in last.items() if k.endswith("/all")}}
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}"
+    return str(x)
+
+
+def render(snap: dict[str, Any]) -> list[Any]:
+    """The snapshot as rich renderables: instances, pools (C vs E), queues, admission."""
+    from rich.table import Table
+
+    inst = Table(title=f"run {snap['run']!r}: instances")
+    for col in ("instance", "state", "version", "lag", "rate/s", "in flight", "detail", "last decision"):
+        inst.add_column(col)
+    for key, r in snap["instances"].items():
+        if r["service"] == GEN:
+            detail = (f"pools {','.join(r.get('pools') or [])} x{_fmt(r.get('concurrency'))} "
+                      f"lat {_fmt(r.get('latency_s'))}s eff {_fmt(r.get('effective_rate'))}/s")
+        elif r["service"] == TRAINER:
+            detail = (f"step {_fmt(r.get('step'))} idle {_fmt(r.get('idle_fraction'))} trained {_fmt(r.get('trained'))} "
+                      f"dropped {_fmt(r.get('dropped'))} (stale {_fmt(r.get('stale'))})")
+        else:
+            detail = ""
+        d = r.get("last_decision")
+        decision = f"{d['action']} {_fmt(d['age_s'])}s ago: {d['reason'][:70]}" if d else "-"
+        inst.add_row(key, r["state"], _fmt(r["version"]), _fmt(r["lag"]), _fmt(r["rate"]), _fmt(r["in_flight"]),
+                     detail, decision)
+    out: list[Any] = [inst]
+    b = snap["balance"]
+    pools = Table(title=(f"balance: C {_fmt(b.get('consumption'))}/s vs E {_fmt(b.get('effective'))}/s "
+                         f"(E/C {_fmt(b.get('e_over_c'))}, P {_fmt(b.get('production'))}/s, kept "
+                         f"{_fmt(b.get('kept_fraction'))}, usable {_fmt(b.get('usable_fraction'))}, trainer idle "
+                         f"{_fmt(b.get('trainer_idle'))})"))
+    for col in ("pool", "C/s", "E/s", "E/C", "P/s", "kept", "target", "trained since target"):
+        pools.add_column(col)
+    for p, x in snap["pools"].items():
+        pools.add_row(p, _fmt(x.get("consumption")), _fmt(x.get("effective")), _fmt(x.get("e_over_c")),
+                      _fmt(x.get("production")), _fmt(x.get("kept_fraction")), _fmt(x.get("target")),
+                      _fmt(x.get("trained_since_target")))
+    out.append(pools)
+    queues = Table(title="queues")
+    for col in ("stream", "messages", "consumer", "pending", "ack pending", "redelivered"):
+        queues.add_column(col)
+    for name, q in snap["queues"].items():
+        consumers = q["consumers"]
+        if not name.endswith(WORK_STREAMS) and consumers:  # watchers only (ephemeral ordered consumers)
+            consumers = {f"{len(consumers)} watchers": {"pending": None, "ack_pending": None, "redelivered": None}}
+        consumers = consumers or {"-": {"pending": None, "ack_pending": None, "redelivered": None}}
+        for i, (c, st) in enumerate(consumers.items()):
+            queues.add_row(name if i == 0 else "", _fmt(q["messages"]) if i == 0 else "", c, _fmt(st["pending"]),
+                           _fmt(st["ack_pending"]), _fmt(st["redelivered"]))
+    out.append(queues)
+    if snap["admission"]:
+        out.append("admission: " + ", ".join(f"{k}={_fmt(v)}" for k, v in snap["admission"].items()))
+    return out
 
 
 async def snapshot(bus: Any, run: str, seconds: float) -> dict[str, Any]:
     from bus.subjects import Subjects
-    from schemas import Heartbeat, SchemaError
+    from schemas import Control, Heartbeat, SchemaError
 
     subjects = Subjects(run)
     seen: dict[str, Heartbeat] = {}
+    decisions: list[Control] = []
 
-    async def listen() -> None:
-        async for d in bus.watch(subjects.all_of("metrics"), deliver="last_per_subject"):
+    async def listen(subject: str, decode: Any, keep: Any) -> None:
+        async for d in bus.watch(subject, deliver="last_per_subject"):
             try:
-                hb = Heartbeat.decode(d.msg)
+                keep(decode(d.msg))
             except SchemaError:
                 continue
-            seen[f"{hb.service}/{hb.instance}"] = hb
+
+    async def both() -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(listen(subjects.all_of("metrics"), Heartbeat.decode,
+                                  lambda hb: seen.__setitem__(f"{hb.service}/{hb.instance}", hb)))
+            tg.create_task(listen(subjects.all_of("control"), Control.decode, decisions.append))
 
     try:
-        await asyncio.wait_for(listen(), timeout=seconds)
+        await asyncio.wait_for(both(), timeout=seconds)
     except TimeoutError:
         pass
-    now = time.time()
-    instances = {
-        key: {"state": hb.state, "version": hb.version, "age_s": round(now - hb.ts, 1),
-              "metrics": {k: round(v, 4) for k, v in hb.metrics.items()}}
-        for key, hb in sorted(seen.items())
-    }
-    queues = {s.name: {"messages": s.messages, **{c.name: {"pending": c.pending, "ack_pending": c.ack_pending,
-                                                            "redelivered": c.redelivered} for c in s.consumers}}
-              for s in await bus.streams()}
-    gens = [hb for hb in seen.values() if hb.service == "generator" and hb.state != "stopped"]
-    trainer = next((hb for hb in seen.values() if hb.service == "trainer"), None)
-    production = sum(hb.metrics.get("generator/groups_per_s", 0.0) for hb in gens)
-    balance = {"generator_groups_per_s": production}
-    if trainer is not None:
-        balance["trainer_idle_fraction"] = trainer.metrics.get("trainer/idle_fraction", 0.0)
-        balance["trainer_version"] = trainer.version
-    return {"run": run, "instances": instances, "queues": queues, "balance": balance}
+    return build_snapshot(run, seen.values(), await bus.streams(), decisions, time.time())
 
 
-def status(run: str, nats_url: str, *, as_json: bool, seconds: float) -> int:
+def status(run: str, nats_url: str, *, as_json: bool, seconds: float, watch: float = 0.0) -> int:
+    """One snapshot (``--json``: as JSON); ``watch`` > 0 redraws the tables every ``watch`` seconds."""
     async def go() -> dict[str, Any]:
         from bus.jetstream import JetStreamBus
 
@@ -56,21 +202,21 @@ def status(run: str, nats_url: str, *, as_json: bool, seconds: float) -> int:
         finally:
             await bus.close()
 
-    snap = asyncio.run(go())
     if as_json:
-        print(json.dumps(snap, indent=2))
+        print(json.dumps(asyncio.run(go()), indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
+    from rich.console import Console, Group
 
-    table = Table(title=f"run {run!r}")
-    for col in ("instance", "state", "version", "age s", "key metrics"):
-        table.add_column(col)
-    for key, inst in snap["instances"].items():
-        m = inst["metrics"]
-        keys = [k for k in m if k.endswith(("per_s", "idle_fraction", "in_flight", "groups_started", "reward/mean"))]
-        table.add_row(key, inst["state"], str(inst["version"]), str(inst["age_s"]),
-                      ", ".join(f"{k.split('/')[-1]}={m[k]}" for k in keys[:4]))
-    Console().print(table)
-    Console().print(f"balance: {snap['balance']}")
+    if watch <= 0:
+        Console().print(*render(asyncio.run(go())))
+        return 0
+    from rich.live import Live
+
+    with Live(Group(*render(asyncio.run(go()))), refresh_per_second=1) as live:
+        try:
+            while True:
+                time.sleep(watch)
+                live.update(Group(*render(asyncio.run(go()))))
+        except KeyboardInterrupt:
+            pass
     return 0

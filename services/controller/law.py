@@ -34,12 +34,24 @@ queue ahead of it otherwise, divided by the share of its groups that arrive in t
 hand follows each generator's measured speed: a slow generator holds little, and its samples age
 less.  Comparing within a pool keeps long tasks from being starved in favour of short ones.
 
-Pool routing.  ``assign_pools`` stacks live generators, by what they produce, over the pools' shares
+Pool routing.  ``assign_routes`` stacks live generators, by what they produce, over the pools' shares
 of the needed capacity (target mix plus the trained mix's deficit since the target was set, divided
-by each pool's kept fraction); each generator gets its pools in priority order.
+by each pool's kept fraction); each generator gets its pools in priority order and, where it
+straddles two pools, the share of its starts each should get (``assign_pools`` is the order only).
 
-Silent generators.  ``mark_silent`` takes back what a generator that stopped heartbeating held;
-the plan that notices names it in its reason and in ``lost``.
+Concurrency.  ``plan_concurrency`` caps the groups a generator samples at once by its latency
+relative to the typical one: a generator k times slower holds each group k times longer, so with a
+full batch it would lock k times its share of the staleness window in samples that age while it
+holds them.  Latency, not rate, decides, because a smaller batch lowers a generator's rate (a cap
+judged by rate would feed on itself) but barely its latency.
+
+Silent and draining generators.  ``mark_silent`` takes back what a generator that stopped
+heartbeating held; the plan that notices names it in its reason and in ``lost``.  A generator that
+reports it is draining (it dropped its own unstarted grant) gets nothing more; what it started still
+counts until it is published.
+
+Pausing.  ``pause_decision``: generators are paused once the trainer reports it is done (their
+grants would only produce groups nobody trains) and resumed when a trainer runs again.
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -61,6 +74,8 @@ class GeneratorView:
     rate: float = 0.0  # groups/s, smoothed
     alive: bool = True
     weights_version: int | None = None  # policy version it samples with (heartbeat); None = unknown
+    draining: bool = False  # it reported draining/drained: it starts nothing more and dropped its unstarted grant
+    reported_grant: int = 0  # the grant it last reported holding (heartbeat; 0 = unknown): counts until it drops
 
     @property
     def outstanding(self) -> int:
@@ -91,6 +106,7 @@ class AdmissionPlan:
     trained_bound: int = 0  # (V+s+1)*B + dropped: the window in groups that will be trained
     oversample: int = 0  # allowed_total - trained_bound: starts expected to be filtered out or late
     lost: list[str] = field(default_factory=list)  # generators this plan found silent (re-planned without them)
+    reclaimed: dict[str, int] = field(default_factory=dict)  # instance -> unstarted groups taken back this plan
 
 
 def allowed_started(trainer: TrainerView, *, batch_groups: int, max_staleness: int) -> int:
@@ -110,6 +126,7 @@ def mark_silent(generators: Sequence[GeneratorView], *, now: float, silent_after
             # again elsewhere; only what it published still occupies the window.  (If it was merely
             # partitioned, its late duplicates are deduped by msg id and by the trainer.)
             g.granted = g.started = g.published
+            g.reported_grant = 0
         g.alive = alive
     return notes
 
@@ -191,6 +208,28 @@ def _speeds(live: Sequence[GeneratorView], speeds: Mapping[str, Speed] | None) -
     return [speeds.get(g.instance, typical) for g in live]
 
 
+SLOW_FACTOR = 2.0  # a generator this many times slower than the pool's reference latency counts as slow
+
+
+def reference_latency(speeds: Sequence[Speed]) -> dict[str, float]:
+    """Per pool, the lower median of the measured latencies: with two generators, the healthy one."""
+    by_pool: dict[str, list[float]] = {}
+    for sp in speeds:
+        if math.isfinite(sp.latency_s) and sp.latency_s > 0:
+            by_pool.setdefault(sp.pool, []).append(sp.latency_s)
+    return {p: sorted(xs)[(len(xs) - 1) // 2] for p, xs in by_pool.items()}
+
+
+def unstarted_cap(sp: Speed, reference: Mapping[str, float], max_outstanding: int) -> int:
+    """Most unstarted groups one generator may hold: one batch (its slots) when it is slow (more than
+    ``SLOW_FACTOR`` times the reference latency of its pool), else ``max_outstanding``.  A slow
+    generator's queue would only wait behind its running batch while the window counts it as in
+    flight, and keep the fast ones from that budget."""
+    ref = reference.get(sp.pool)
+    slow = ref is not None and math.isfinite(sp.latency_s) and sp.latency_s > SLOW_FACTOR * ref
+    return max(min(max_outstanding, sp.slots), 1) if slow and sp.slots > 0 else max_outstanding
+
+
 def finish_time(g: GeneratorView, sp: Speed, typical_latency_s: float | None = None) -> float:
     """How soon one more group granted to ``g`` would be published and usable (smaller = sooner).
 
@@ -231,19 +270,31 @@ def plan_balanced(
     generator on older weights than the trainer's only gets the window as it stood at its version
     (``GeneratorView.weights_version``; fewer stale drops, but the budget freed by a version bump
     waits for the new weights: in the simulator that pays with over-sampling on and costs trainer
-    time with it off).  Invariants:
-    ``sum(grants) <= allowed_total``, each live generator's unstarted grant ``<= max_outstanding``,
-    grants never shrink.
+    time with it off).  A live generator holding more unstarted grant than ``unstarted_cap`` (it
+    slowed down while holding a queue) has the excess taken back (``reclaimed``); that budget goes
+    to others only once the generator reports holding less (``reported_grant``), so nothing is counted
+    twice.  Invariants: ``sum(max(grant, reported grant)) <= allowed_total``, each live generator's
+    unstarted grant ``<= max_outstanding``, grants shrink only by taking back unstarted groups.
     """
     notes = mark_silent(generators, now=now, silent_after=silent_after)
+    for g in generators:
+        if g.draining:
+            g.granted = g.started  # it dropped its unstarted grant itself before reporting draining
     bound = allowed_started(trainer, batch_groups=batch_groups, max_staleness=max_staleness)
     extra = oversample_extra(trainer, batch_groups=batch_groups, max_staleness=max_staleness,
                              kept_fraction=kept_fraction, max_factor=max_oversample)
     allowed = bound + extra
-    committed = sum(max(g.granted, g.started) for g in generators)
-    available = max(allowed - committed, 0)
-    live = sorted((g for g in generators if g.alive), key=lambda g: (g.instance, g.boot))
+    live = sorted((g for g in generators if g.alive and not g.draining), key=lambda g: (g.instance, g.boot))
     speed = _speeds(live, speeds)
+    reference = reference_latency(speed)
+    caps = [unstarted_cap(sp, reference, max_outstanding) for sp in speed]
+    reclaimed = {}
+    for g, cap in zip(live, caps, strict=True):
+        if g.outstanding > cap:
+            reclaimed[g.instance] = g.outstanding - cap
+            g.granted = g.started + cap
+    committed = sum(max(g.granted, g.started, g.reported_grant) for g in generators)
+    available = max(allowed - committed, 0)
     typical = _typical_latency(speed)
     # Compare in pool-relative latencies when every generator's concurrency is known, else by rate.
     relative = bool(speed) and all(sp.slots > 0 for sp in speed)
@@ -271,7 +322,7 @@ def plan_balanced(
             grant_one(g)
     # Then each group goes to whoever would finish it first: work in hand ends up proportional to
     # speed, and a slow generator holds little, so its samples do not age.
-    heap = [(finish(i), i) for i, g in enumerate(live) if g.outstanding < max_outstanding]
+    heap = [(finish(i), i) for i, g in enumerate(live) if g.outstanding < caps[i]]
     heapq.heapify(heap)
     while available > 0 and heap:
         _, i = heapq.heappop(heap)
@@ -279,7 +330,7 @@ def plan_balanced(
         if available <= lag(g) * batch_groups:
             continue  # stays out for this plan: the budget only shrinks from here
         grant_one(g)
-        if g.outstanding < max_outstanding:
+        if g.outstanding < caps[i]:
             heapq.heappush(heap, (finish(i), i))
     started_total = sum(g.started for g in generators)
     split = ", ".join(f"{g.instance} {sp.latency_s:.1f}s/{sp.slots}:{g.running}+{g.outstanding}"
@@ -287,19 +338,38 @@ def plan_balanced(
     reason = (f"allowed=(V={trainer.version}+s={max_staleness}+1)*B={batch_groups}+dropped={trainer.dropped_groups}"
               f"={bound} +oversample {extra} (usable<={min(max(kept_fraction, 0.0), 1.0):.2f})={allowed}; "
               f"started={started_total}; live={len(live)} by finish time (latency/slots:running+unstarted): {split}"
+              + "".join(f"; took back {n} unstarted from {i} (slow: more than one batch unstarted)"
+                        for i, n in reclaimed.items())
               + _silent_reason(notes, generators))
     return AdmissionPlan(allowed_total=allowed, started_total=started_total,
                          grants={(g.instance, g.boot): g.granted for g in generators}, reason=reason,
-                         trained_bound=bound, oversample=extra, lost=[n.split(" ", 1)[0] for n in notes])
+                         trained_bound=bound, oversample=extra, lost=[n.split(" ", 1)[0] for n in notes],
+                         reclaimed=reclaimed)
 
 
-def assign_pools(
+@dataclass(frozen=True)
+class Route:
+    """Where one generator samples: ``pools`` in priority order (it pulls from the first with work),
+    ``shares`` the fraction of its starts each of its stacked pools should get (sums to 1)."""
+
+    pools: list[str]
+    shares: dict[str, float]
+
+
+@dataclass
+class RoutingPlan:
+    routes: dict[str, Route]  # per live generator instance
+    need: dict[str, float]  # each pool's share of the capacity needed (what the generators were stacked over)
+    reason: str = ""
+
+
+def assign_routes(
     generators: Sequence[GeneratorView], target_mix: Mapping[str, float], trained_by_pool: Mapping[str, int],
     backlog_by_pool: Mapping[str, int], *, rates: Mapping[str, float] | None = None,
     kept_by_pool: Mapping[str, float] | None = None, cost_by_pool: Mapping[str, float] | None = None,
     current: Mapping[str, Sequence[str]] | None = None, catch_up_groups: float = 128.0, fallback: bool = True,
-) -> dict[str, list[str]]:
-    """Pools for each live generator, in priority order (a generator pulls from the first pool with work).
+) -> RoutingPlan:
+    """Pools for each live generator, in priority order, and its share of starts per pool.
 
     ``trained_by_pool``: groups trained *since the target took effect* (``BalanceState.trained_since_target``):
     the deficit ``target * total - trained`` is the integral term, made up over ``catch_up_groups``
@@ -327,9 +397,15 @@ def assign_pools(
         want = dict(target)
     need = {p: want[p] * (cost_by_pool or {}).get(p, 1.0) / max((kept_by_pool or {}).get(p, 1.0), 0.05) for p in pools}
     total_need = sum(need.values())
-    live = [g for g in generators if g.alive]
+    need = {p: x / total_need for p, x in need.items()}
+    reason = ("need " + ", ".join(f"{p} {need[p]:.2f}" for p in pools) + " (target "
+              + ", ".join(f"{p} {target[p]:.2f}" for p in pools) + "; trained since target "
+              + ", ".join(f"{p} {trained_by_pool.get(p, 0)}" for p in pools)
+              + (f"; no backlog: {', '.join(p for p in pools if p not in with_work)}" if len(with_work) < len(pools) else "")
+              + ")")
+    live = [g for g in generators if g.alive and not g.draining]
     if not live:
-        return {}
+        return RoutingPlan({}, need, reason + "; no live generator")
     # Stacked by what each generator actually produces (its share of the starts decides the mix),
     # not by what it could; an unmeasured one counts as typical, one that produces nothing as a sliver.
     given = {g.instance: g.rate for g in live if g.rate > 0} if rates is None else rates
@@ -347,22 +423,63 @@ def assign_pools(
     total_speed = sum(speed.values())
     edges, acc = [], 0.0
     for p in pools:
-        acc += need[p] / total_need
-        edges.append((p, acc - need[p] / total_need, acc))
-    out: dict[str, list[str]] = {}
+        acc += need[p]
+        edges.append((p, acc - need[p], acc))
+    out: dict[str, Route] = {}
     lo = 0.0
     for g in live:
-        hi = lo + speed[g.instance] / total_speed
+        width = speed[g.instance] / total_speed
+        hi = lo + width
         overlap = [(min(hi, b) - max(lo, a), p) for p, a, b in edges if min(hi, b) - max(lo, a) > 1e-9]
         # Majority pool first; a straddling generator's priority follows the bigger share.
-        mine = [p for _, p in sorted(overlap, key=lambda x: (-x[0], pools.index(x[1])))]
+        overlap.sort(key=lambda x: (-x[0], pools.index(x[1])))
+        mine = [p for _, p in overlap]
+        shares = {p: round(w / width, 4) for w, p in overlap}
         if not mine:  # rounding at the top end
-            mine = [pools[-1]]
+            mine, shares = [pools[-1]], {pools[-1]: 1.0}
         if fallback:
             mine += [p for p in pools if p not in mine and backlog_by_pool.get(p, 1) > 0]
-        out[g.instance] = mine
+        out[g.instance] = Route(mine, shares)
         lo = hi
+    return RoutingPlan(out, need, reason)
+
+
+def assign_pools(
+    generators: Sequence[GeneratorView], target_mix: Mapping[str, float], trained_by_pool: Mapping[str, int],
+    backlog_by_pool: Mapping[str, int], **kw: Any,
+) -> dict[str, list[str]]:
+    """``assign_routes`` as pools in priority order only (a generator pulls from the first pool with work)."""
+    plan = assign_routes(generators, target_mix, trained_by_pool, backlog_by_pool, **kw)
+    return {i: r.pools for i, r in plan.routes.items()}
+
+
+def plan_concurrency(latencies: Mapping[str, float], *, max_groups: int) -> dict[str, tuple[int, str]]:
+    """Most groups each generator should sample at once, with the reason: ``max_groups``, scaled by
+    typical latency / its latency (rounded up, at least 1) for a generator more than
+    ``SLOW_FACTOR`` times slower than typical.  Unmeasured latency: ``max_groups``."""
+    if max_groups < 1:
+        raise ValueError(f"max_groups={max_groups} must be >= 1")
+    measured = sorted(x for x in latencies.values() if math.isfinite(x) and x > 0)
+    if not measured:
+        return {i: (max_groups, "latency not measured yet") for i in latencies}
+    # The lower median: with two generators, the healthy one is the reference, not the slowed one.
+    typical = measured[(len(measured) - 1) // 2]
+    out = {}
+    for i, lat in latencies.items():
+        if not (math.isfinite(lat) and lat > 0):
+            out[i] = (max_groups, "latency not measured yet")
+            continue
+        # Within SLOW_FACTOR of typical: full batches (a latency measured under load is noisy).
+        cap = max_groups if lat <= SLOW_FACTOR * typical else max(math.ceil(max_groups * typical / lat), 1)
+        out[i] = (cap, f"latency {lat:.2f}s vs typical {typical:.2f}s: {cap} of {max_groups} groups at once")
     return out
+
+
+def pause_decision(trainer: TrainerView, *, seen: bool) -> tuple[bool, str]:
+    """Whether generators should take training work, and why (``seen``: a trainer heartbeat arrived)."""
+    if seen and trainer.done:
+        return True, f"trainer done at version {trainer.version}: new groups would never be trained"
+    return False, "trainer running" if seen else "no trainer heard from yet"
 
 
 def eval_due(version: int, last_evaluated: int, every: int) -> bool:

@@ -1,25 +1,34 @@
-"""controller service — admission for bounded staleness, held-out evaluation scheduling.
+"""controller service — keeps trainer consumption matched to effective generator production.
 
-consumes:  rl.<run>.metrics.>        (Heartbeat)  every service's liveness and counters
-produces:  rl.<run>.control.generator.<instance>  (Control action='admit', cumulative grant)
-           rl.<run>.tasks.<eval_pool>             (Task eval=True) held-out set at versions 0, k, 2k…
-           rl.<run>.metrics.controller.<instance> (its own decisions as metrics)
+consumes:  rl.<run>.metrics.>                       (Heartbeat) every service's liveness and counters
+           rl.<run>.control.controller.<instance|all>.set_mix  (Control) a new target mix between pools
+           consumer state of TASKS (per-pool backlog, held, redelivered) and SCORED (trainer pending)
+produces:  rl.<run>.control.generator.<instance>.<action>  (Control) admit | assign_pools | concurrency |
+             pause | resume | drain, each with its inputs and reason (the audit trail)
+           rl.<run>.control.generator.all.evaluate   (Control) the record of each scheduled evaluation
+           rl.<run>.tasks.<eval_pool>                (Task eval=True) held-out set at versions 0, k, 2k…
+           rl.<run>.metrics.controller.<instance>    (Heartbeat) its measurements: C, P, E, kept and usable
+             fractions overall and per pool, queue depths, the admission window, the target mix
 waits for: trainer and generator heartbeats
-The control law lives in ``law.py`` (pure, unit-tested, reused by the simulator); this module is
-only I/O around it.  Every decision is published with its inputs and reason (audit trail).
+The decisions are made in ``planner.py`` from ``state.py``'s measurements with the pure law in
+``law.py`` and ``balance.py`` (the simulator in ``bench/controller_sim.py`` runs the same law); this
+module is only I/O around them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import replace
 
-from bus.protocol import Bus
+from bus.protocol import Bus, BusError
 from bus.subjects import Subjects
 from observability.logging import get_logger
 from schemas import Control, Heartbeat, SchemaError, Task
-from services.controller.law import GeneratorView, TrainerView, eval_due, plan_balanced
+from services.controller.law import eval_due
+from services.controller.planner import MixError, Planner
 from services.controller.settings import ControllerSettings
+from services.controller.state import queue_state
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
@@ -27,46 +36,15 @@ from services.runtime.taskfile import read_task_file
 
 log = get_logger()
 
-
-class ControllerState:
-    def __init__(self) -> None:
-        self.generators: dict[tuple[str, str], GeneratorView] = {}
-        self.trainer = TrainerView()
-        self.heartbeats: dict[tuple[str, str], Heartbeat] = {}
-        self.kept_fraction = float("nan")
-
-    def observe(self, hb: Heartbeat) -> None:
-        self.heartbeats[(hb.service, hb.instance)] = hb
-        now = time.time()
-        if hb.service == "generator":
-            boot = str(hb.info.get("boot", ""))
-            g = self.generators.setdefault((hb.instance, boot), GeneratorView(hb.instance, boot))
-            g.started = int(hb.metrics.get("generator/groups_started", g.started))
-            g.published = int(hb.metrics.get("generator/groups_published", g.published))
-            g.rate = float(hb.metrics.get("generator/groups_per_s", g.rate))
-            if hb.version >= 0:
-                g.weights_version = hb.version
-            g.last_seen = 0.0 if hb.state == "stopped" else now
-        elif hb.service == "trainer":
-            self.trainer.version = int(hb.metrics.get("trainer/version", self.trainer.version))
-            self.trainer.dropped_groups = int(hb.metrics.get("trainer/groups_dropped_total", self.trainer.dropped_groups))
-            self.trainer.trained_groups = int(hb.metrics.get("trainer/groups_trained_total", self.trainer.trained_groups))
-            self.trainer.last_seen = now
-            self.trainer.done = hb.state == "done"
-            self.trainer.pending_groups = int(hb.metrics.get("trainer/pending_groups", 0))
-            kept = hb.metrics.get("trainer/groups_train", 0.0)
-            lost = hb.metrics.get("trainer/groups_filtered", 0.0) + hb.metrics.get("trainer/groups_invalid", 0.0)
-            # Share of groups that survive filtering; stale drops are excluded so over-sampling
-            # cannot feed on its own surplus.  No measurement yet: no over-sampling.
-            self.kept_fraction = kept / (kept + lost) if kept + lost >= 32 else float("nan")
+QUEUE_POLL_S = 1.0  # consumer state is a server round trip per stream: read it about once a second
 
 
 async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: Lifecycle) -> None:
     subjects = Subjects(run_cfg.run)
-    state = ControllerState()
+    train_pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
+    planner = Planner(cfg, train_pools, run_cfg.batch_groups, run_cfg.max_staleness)
     beat = Beat(bus, subjects, "controller", cfg.instance)
-    seq = int(time.time() * 1000)  # monotonic across restarts: later decisions sort later
-    sent: dict[tuple[str, str], tuple[tuple[int, int], float]] = {}
+    beat.extra = planner.metrics
     eval_tasks: list[Task] = []
     if cfg.eval_tasks and cfg.eval_every > 0:
         eval_tasks, errors = read_task_file(cfg.eval_tasks, run=run_cfg.run, pool=run_cfg.eval_pool, group_size=1,
@@ -75,56 +53,65 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
             log.warning("eval_tasks_invalid_lines", errors=[str(e) for e in errors[:5]], count=len(errors))
     last_eval = -1
 
-    async def watch() -> None:
+    async def watch_metrics() -> None:
         async for d in bus.watch(subjects.all_of("metrics"), deliver="new"):
             try:
-                state.observe(Heartbeat.decode(d.msg))
+                planner.state.observe(Heartbeat.decode(d.msg))
             except SchemaError as exc:
                 await bus.dead_letter(d.subject, d.msg, reason="schema_error", error=f"SchemaError: {exc}")
 
-    async def publish_eval(version: int) -> None:
+    async def watch_requests() -> None:
+        async def one(subject: str) -> None:
+            async for d in bus.watch(subject, deliver="last_per_subject"):
+                try:
+                    note = planner.set_mix(Control.decode(d.msg))
+                except (SchemaError, MixError) as exc:
+                    log.error("control_request_refused", subject=d.subject, error=str(exc))
+                    await bus.dead_letter(d.subject, d.msg, reason="bad_control", error=f"{type(exc).__name__}: {exc}")
+                    continue
+                if note:
+                    log.info("target_mix_changed", note=note)
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(one(subjects.control_actions("controller", cfg.instance)))
+            tg.create_task(one(subjects.control_actions("controller", "all")))
+
+    async def watch_queues() -> None:
+        while True:
+            try:
+                planner.state.queues = queue_state(await bus.streams(), subjects, train_pools, time.time())
+            except BusError as exc:  # a restarting server: the last reading stays, marked by its time
+                log.warning("queue_state_unavailable", error=str(exc))
+            if await life.sleep(QUEUE_POLL_S):
+                return
+
+    async def publish_eval(version: int, why: str) -> None:
         items = []
         for t in eval_tasks:
             task = replace(t, task_id=f"eval.v{version}.{t.task_id}", metadata={**t.metadata, "eval_version": version})
             items.append((subjects.tasks(run_cfg.eval_pool), task.encode(), f"task.{task.task_id}"))
         await bus.publish_many(items)
+        d = planner.evaluate(version, len(items), why, time.time())
+        await bus.publish(subjects.control_action(d.service, d.instance, d.control.action), d.control.encode(),
+                          msg_id=f"ctl.{d.control.seq}")
         log.info("eval_scheduled", version=version, tasks=len(items))
 
     async def decide() -> None:
-        nonlocal seq, last_eval
+        nonlocal last_eval
         while not await life.sleep(cfg.period):
-            now = time.time()
-            plan = plan_balanced(list(state.generators.values()), state.trainer, batch_groups=run_cfg.batch_groups,
-                                 max_staleness=run_cfg.max_staleness, now=now, silent_after=cfg.silent_after,
-                                 max_outstanding=cfg.max_outstanding, kept_fraction=state.kept_fraction)
-            # Groups admitted now are trained up to max_staleness versions from now, so they must
-            # start from the trainer's current weights: older ones would arrive stale and be
-            # refused.  The generator waits for the new version (a fetch, ~0.1 s here) instead.
-            min_version = state.trainer.version
-            for (instance, boot), grant in plan.grants.items():
-                g = state.generators[(instance, boot)]
-                prev = sent.get((instance, boot))
-                if not g.alive or (prev and prev[0] == (grant, min_version) and now - prev[1] < cfg.refresh):
-                    continue
-                seq += 1
-                ctl = Control(seq=seq, action="admit", target_service="generator", target_instance=instance,
-                              params={"boot": boot, "grant_total": grant, "min_version": min_version},
-                              reason=plan.reason,
-                              inputs={"trainer_version": state.trainer.version, "allowed_total": plan.allowed_total,
-                                      "oversample": plan.oversample, "kept_fraction": state.kept_fraction,
-                                      "started_total": plan.started_total, "dropped": state.trainer.dropped_groups},
-                              issued_at=now)
-                await bus.publish(subjects.control("generator", instance), ctl.encode(), msg_id=f"ctl.{seq}")
-                sent[(instance, boot)] = ((grant, min_version), now)
-            beat.metrics.update({"controller/allowed_total": plan.allowed_total, "controller/oversample": plan.oversample,
-                                 "controller/started_total": plan.started_total,
-                                 "controller/live_generators": sum(g.alive for g in state.generators.values()),
-                                 "controller/trainer_version": state.trainer.version})
-            beat.version = state.trainer.version
-            final = state.trainer.done and state.trainer.version > last_eval
-            if eval_tasks and (final or eval_due(state.trainer.version, last_eval, cfg.eval_every)):
-                last_eval = state.trainer.version
-                await publish_eval(last_eval)
+            for d in planner.step(time.time()):
+                await bus.publish(subjects.control_action(d.service, d.instance, d.control.action),
+                                  d.control.encode(), msg_id=f"ctl.{d.control.seq}")
+                if d.control.action != "admit":
+                    log.info("decision", action=d.control.action, instance=d.instance, params=d.control.params,
+                             reason=d.control.reason)
+            trainer = planner.state.trainer
+            beat.version = trainer.version
+            final = trainer.done and trainer.version > last_eval
+            if eval_tasks and (final or eval_due(trainer.version, last_eval, cfg.eval_every)):
+                last_eval = trainer.version
+                await publish_eval(last_eval, "final version" if final else f"every {cfg.eval_every} versions")
 
     beat.state = "running"
-    await run_until_stopped(life, lambda: beat.loop(life), watch, decide)
+    log.info("controller_ready", target_mix=planner.target_mix, pools=train_pools)
+    await run_until_stopped(life, lambda: beat.loop(life), watch_metrics, watch_requests, watch_queues, decide)

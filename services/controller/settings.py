@@ -1,6 +1,6 @@
 """Settings of the controller ([controller] table)."""
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.runtime.config import Settings
 
@@ -13,3 +13,17 @@ class ControllerSettings(Settings):
     eval_tasks: str = Field("", description="JSONL of held-out tasks to evaluate ('' = no evaluation).")
     eval_every: int = Field(5, ge=0, description="Evaluate every N policy versions (0 = never).")
     refresh: float = Field(2.0, gt=0, description="Seconds between re-sends of unchanged grants (late joiners).")
+    pool_mix: dict[str, float] = Field(
+        default_factory=dict,
+        description="Target share of trained groups per pool, e.g. {a = 0.5, b = 0.5} ({} = equal over the run's "
+                    "pools).  Changed at run time with a 'set_mix' Control to the controller "
+                    "(`python -m services.commands.control set-mix`), which wins over this value.")
+    route_period: float = Field(2.0, gt=0, description="Seconds between routing and concurrency decisions.")
+    tau: float = Field(20.0, gt=0, description="Seconds over which measured rates, latencies and fractions are smoothed.")
+
+    @field_validator("pool_mix")
+    @classmethod
+    def _mix(cls, v: dict[str, float]) -> dict[str, float]:
+        if v and (any(x < 0 for x in v.values()) or not any(x > 0 for x in v.values())):
+            raise ValueError(f"pool_mix {v} needs non-negative shares, at least one positive")
+        return v

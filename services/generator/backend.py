@@ -37,4 +37,6 @@ class Backend(Protocol):
     def metrics(self) -> dict[str, float]: ...
 
 
-BACKENDS: Registry[Backend] = Registry("backend", lazy={"torch": "services.generator.torch_backend:TorchBackend"})
+# Lazy "module:attr" entries: choosing a backend imports it, so a torch-only install never imports vLLM.
+BACKENDS: Registry[Backend] = Registry("backend", lazy={"torch": "services.generator.torch_backend:TorchBackend",
+                                                        "vllm": "services.generator.vllm_backend:VllmBackend"})

@@ -1,23 +1,31 @@
-"""generator service — sample groups for tasks, within the controller's admission grant.
+"""generator service — sample groups for tasks, within the controller's admission grant and routing.
 
 consumes:  rl.<run>.tasks.<pool>          (Task)            durable 'generator_<pool>' shared by replicas
            rl.<run>.weights.<model>       (WeightManifest)  latest on join, then every new version
-           rl.<run>.control.generator.<instance>  (Control 'admit': cumulative grant for this boot)
+           rl.<run>.control.generator.<instance|all>.<action>  (Control) the last of each action on join:
+             'admit' cumulative grant for this boot (the newest holds) + freshness floor; 'assign_pools' pools in priority
+             order and the share of starts per pool; 'concurrency' most groups per batch;
+             'pause' / 'resume' / 'drain' (finish what it holds, start nothing more, drop its grant)
 calls:     rl.<run>.env.<name>.reset (EnvReset -> EnvReply: prompt tokens, or an error)
 produces:  rl.<run>.rollouts.<pool>       (RolloutGroup)    msg id 'rollouts.<task_id>'
 waits for: admission (grant_total > groups started) for training pools; eval tasks are not admitted
 A task is acked only after its group is published (a crash redelivers it; the msg id dedupes the
-re-publish).  A task the environment refuses is terminated and dead-lettered with the reason.
-New weights are fetched and digest-verified in the background and swapped between decode steps.
+re-publish).  Held tasks get in-progress heartbeats well within TASK_ACK_WAIT, so the tasks of a
+generator killed with -9 come back to the others within seconds.  A task the environment refuses
+is terminated and dead-lettered with the reason.  New weights are fetched and digest-verified in
+the background and swapped between decode steps.  A new pool assignment applies from the next
+batch: tasks already fetched are finished, never dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 import zlib
-from collections import defaultdict
+from collections import Counter, defaultdict
+from pathlib import Path
 
 import numpy as np
 
@@ -44,11 +52,17 @@ from services.runtime.weights import WeightIntegrityError, make_transport
 
 log = get_logger()
 
+# Seconds before the server hands an un-acked task to another replica.  Held tasks are heartbeated
+# (in_progress) every third of it, so only a generator that died loses them, for about this long.
+TASK_ACK_WAIT = 8.0
+STATE_ACTIONS = ("pause", "resume", "drain")
+
 
 class Generator:
-    """The I/O-free core: turns (task, prompt ids) batches into rollout groups."""
+    """The I/O-free core: turns (task, prompt ids) batches into rollout groups, and keeps the
+    controller's decisions (grant, routing, concurrency, run state)."""
 
-    def __init__(self, backend: Backend, cfg: GeneratorSettings) -> None:
+    def __init__(self, backend: Backend, cfg: GeneratorSettings, pools: list[str] | None = None) -> None:
         self.backend = backend
         self.cfg = cfg
         self.boot = uuid.uuid4().hex[:8]
@@ -57,12 +71,30 @@ class Generator:
         self.published = 0
         self.eval_published = 0
         self.dead = 0
-        self.paused = False
+        self.mode = "running"  # running | paused | draining
         self.min_version = 0  # the controller's freshness floor: older weights would yield stale samples
         self.in_flight = 0
         self.batches = 0
+        self.allowed_pools = list(pools or [])  # training pools this replica may serve (its config)
+        self.pools = list(self.allowed_pools)  # in priority order (the controller's routing)
+        self.shares: dict[str, float] = {}  # share of starts per pool ({} = first pool with work)
+        self.concurrency = cfg.max_batch_groups
+        self.published_by_pool: Counter[str] = Counter()
+        self.redelivered = 0  # tasks received again (another replica died or timed out holding them)
+        self._taken: Counter[str] = Counter()  # groups asked of each pool since the routing changed
+        self._seq: dict[str, int] = {}  # last applied seq per kind of decision (pause/resume/drain share one)
+        self._grant_floor_seq = -1  # admits older than the last drain are void
         self._t0 = time.time()
         self._rate_window: list[tuple[float, int]] = []
+
+    @property
+    def paused(self) -> bool:
+        return self.mode != "running"
+
+    @property
+    def state(self) -> str:
+        """For the heartbeat: running | paused | draining | drained (nothing held any more)."""
+        return "drained" if self.mode == "draining" and self.in_flight == 0 else self.mode
 
     @property
     def budget(self) -> int:
@@ -70,14 +102,66 @@ class Generator:
             return 0
         return max(self.grant_total - self.started, 0)
 
-    def on_control(self, ctl: Control) -> None:
-        if ctl.action == "admit" and str(ctl.params.get("boot")) == self.boot:
-            self.grant_total = max(self.grant_total, int(ctl.params["grant_total"]))
+    @property
+    def batch_cap(self) -> int:
+        return max(min(self.cfg.max_batch_groups, self.concurrency), 1)
+
+    def on_control(self, ctl: Control) -> str | None:
+        """Apply one decision; returns what changed (for the log), None when it did not apply.
+
+        Decisions of one kind apply in ``seq`` order (a replayed older one is ignored); those that
+        carry a ``boot`` apply only to that boot, so a restarted replica ignores its predecessor's."""
+        kind = "state" if ctl.action in STATE_ACTIONS else ctl.action
+        boot = ctl.params.get("boot")
+        if (boot is not None and str(boot) != self.boot) or ctl.seq <= self._seq.get(kind, -1):
+            return None
+        if ctl.action == "admit":
+            if boot is None or ctl.seq < self._grant_floor_seq or not self.cfg.admission:
+                return None
+            # The newest grant holds, also when lower: the controller takes back unstarted groups from
+            # a generator that slowed, and re-grants them only once this heartbeat reports the drop.
+            self.grant_total = max(int(ctl.params["grant_total"]), self.started)
             self.min_version = max(self.min_version, int(ctl.params.get("min_version", 0)))
-        elif ctl.action == "pause":
-            self.paused = True
-        elif ctl.action == "resume":
-            self.paused = False
+        elif ctl.action in STATE_ACTIONS:
+            if ctl.action == "drain":
+                # What it has not started goes back to the controller, which re-plans it once the
+                # heartbeat says 'draining'; grants issued before this one are void.
+                self.grant_total = min(self.grant_total, self.started)
+                self._grant_floor_seq = ctl.seq
+            elif ctl.action == "resume" and not self.cfg.admission:
+                self.grant_total = 1 << 62
+            self.mode = {"pause": "paused", "resume": "running", "drain": "draining"}[ctl.action]
+        elif ctl.action == "assign_pools":
+            pools = [str(p) for p in ctl.params.get("pools", []) if str(p) in self.allowed_pools]
+            if not pools:
+                log.warning("pools_refused", offered=ctl.params.get("pools"), allowed=self.allowed_pools)
+                return None
+            shares = {str(p): float(w) for p, w in dict(ctl.params.get("shares", {})).items() if p in pools and w > 0}
+            if (pools, shares) != (self.pools, self.shares):
+                self._taken.clear()
+            self.pools, self.shares = pools, shares
+        elif ctl.action == "concurrency":
+            self.concurrency = max(min(int(ctl.params["max_groups"]), self.cfg.max_batch_groups), 1)
+        else:
+            return None
+        self._seq[kind] = ctl.seq
+        return f"{ctl.action} {ctl.params}"
+
+    def split_room(self, room: int) -> list[tuple[str, int]]:
+        """How many of ``room`` training groups to ask of each pool: by the routed shares, each next
+        group to the pool furthest behind its share of what was taken since the routing changed."""
+        if room <= 0 or not self.pools:
+            return []
+        shares = {p: w for p, w in self.shares.items() if p in self.pools} or {self.pools[0]: 1.0}
+        total = sum(self._taken.values()) + room
+        alloc: Counter[str] = Counter()
+        for _ in range(room):
+            p = max(shares, key=lambda q: (shares[q] * total - self._taken[q] - alloc[q], -self.pools.index(q)))
+            alloc[p] += 1
+        return [(p, alloc[p]) for p in self.pools if alloc[p] > 0]
+
+    def note_taken(self, pool: str, n: int) -> None:
+        self._taken[pool] += n
 
     def sample(self, batch: list[tuple[Task, list[int]]]) -> list[RolloutGroup]:
         """Blocking (run in a worker thread): one backend call per distinct sampling setting."""
@@ -111,9 +195,10 @@ class Generator:
         self.batches += 1
         return [g for g in groups if g is not None]
 
-    def note_published(self, n_train: int, n_eval: int) -> None:
+    def note_published(self, n_train: int, n_eval: int, by_pool: Counter[str] | None = None) -> None:
         self.published += n_train
         self.eval_published += n_eval
+        self.published_by_pool.update(by_pool or {})
         now = time.time()
         self._rate_window.append((now, self.published))
         self._rate_window = [(t, c) for t, c in self._rate_window if now - t < 10.0]
@@ -127,26 +212,59 @@ class Generator:
                 "generator/eval_groups_published": self.eval_published, "generator/grant_total": min(self.grant_total, 1 << 40),
                 "generator/groups_per_s": rate, "generator/in_flight": self.in_flight, "generator/dead_lettered": self.dead,
                 "generator/paused": float(self.paused), "generator/min_version": self.min_version,
+                "generator/concurrency": self.batch_cap, "generator/tasks_redelivered": self.redelivered,
+                "generator/slowdown": float(getattr(self.backend, "slowdown", 1.0)),
+                **{f"generator/pool/{p}/published": n for p, n in self.published_by_pool.items()},
                 **self.backend.metrics()}
+
+    def info(self) -> dict[str, object]:
+        return {"boot": self.boot, "backend": self.cfg.backend, "pools": list(self.pools), "shares": dict(self.shares),
+                "max_batch_groups": self.cfg.max_batch_groups}
+
+
+class SlowdownFile:
+    """Testing aid (``slowdown_file``): the slowdown factor in a file, applied when the file changes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path) if path else None
+        self._mtime = -1.0
+
+    def apply(self, backend: Backend) -> None:
+        if self.path is None or not hasattr(backend, "slowdown"):
+            return
+        try:
+            mtime = os.stat(self.path).st_mtime
+            if mtime == self._mtime:
+                return
+            self._mtime = mtime
+            factor = float(self.path.read_text().strip() or 1.0)
+        except (OSError, ValueError) as exc:
+            log.warning("slowdown_file_unreadable", path=str(self.path), error=str(exc))
+            return
+        if factor >= 1.0 and factor != backend.slowdown:
+            log.info("slowdown_changed", old=backend.slowdown, new=factor)
+            backend.slowdown = factor
 
 
 async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: Lifecycle) -> None:
     subjects = Subjects(run_cfg.run)
     backend: Backend = await asyncio.to_thread(
         BACKENDS.create, cfg.backend, model_path=run_cfg.model_path, dtype=cfg.dtype, deterministic=cfg.deterministic,
-        slowdown=cfg.slowdown)
-    gen = Generator(backend, cfg)
-    transport = make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir)
-    beat = Beat(bus, subjects, "generator", cfg.instance, period=0.5)
-    beat.info = {"boot": gen.boot, "backend": cfg.backend}
-    beat.extra = gen.metrics
-    wake = asyncio.Event()
+        slowdown=cfg.slowdown, vllm=cfg.vllm)
     train_pools = [p for p in (cfg.pools or run_cfg.pools) if p != run_cfg.eval_pool]
     eval_pools = [run_cfg.eval_pool] if not cfg.pools or run_cfg.eval_pool in cfg.pools else []
+    gen = Generator(backend, cfg, train_pools)
+    slowdown = SlowdownFile(cfg.slowdown_file)
+    transport = make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir)
+    beat = Beat(bus, subjects, "generator", cfg.instance, period=0.5)
+    beat.info = gen.info()
+    beat.version = backend.version  # the controller holds admission for generators on old weights: say which
+    beat.extra = gen.metrics
+    wake = asyncio.Event()
 
     def puller(pool: str):  # type: ignore[no-untyped-def]
         spec = ConsumerSpec(stream="TASKS", durable=subjects.durable("generator", pool),
-                            filter_subjects=(subjects.tasks(pool),), ack_wait=60, max_deliver=5,
+                            filter_subjects=(subjects.tasks(pool),), ack_wait=TASK_ACK_WAIT, max_deliver=5,
                             max_ack_pending=max(4 * run_cfg.admission_window_groups, 256))
         return bus.puller(spec, Task.decode)
 
@@ -174,14 +292,20 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
         async def one(subject: str) -> None:
             async for d in bus.watch(subject, deliver="last_per_subject"):
                 try:
-                    gen.on_control(Control.decode(d.msg))
-                    wake.set()
-                except SchemaError as exc:
-                    await bus.dead_letter(d.subject, d.msg, reason="schema_error", error=f"SchemaError: {exc}")
+                    ctl = Control.decode(d.msg)
+                    changed = gen.on_control(ctl)
+                except (SchemaError, KeyError, TypeError, ValueError) as exc:
+                    await bus.dead_letter(d.subject, d.msg, reason="bad_control",
+                                          error=f"{type(exc).__name__}: {exc}")
+                    continue
+                if changed is not None and ctl.action != "admit":
+                    log.info("control_applied", action=ctl.action, seq=ctl.seq, params=ctl.params, reason=ctl.reason)
+                beat.info, beat.state = gen.info(), gen.state
+                wake.set()
 
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(one(subjects.control("generator", cfg.instance)))
-            tg.create_task(one(subjects.control("generator", "all")))
+            tg.create_task(one(subjects.control_actions("generator", cfg.instance)))
+            tg.create_task(one(subjects.control_actions("generator", "all")))
 
     async def prompt_of(d: Delivery[Task]) -> list[int] | None:
         task = d.msg
@@ -198,9 +322,17 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             return None
         return [int(i) for i in reply.observation_ids]
 
+    def train_puller(pool: str):  # type: ignore[no-untyped-def]
+        if pool not in train_pullers:  # a pool routed here later: its durable is shared with the other replicas
+            train_pullers[pool] = puller(pool)
+        return train_pullers[pool]
+
     async def gather() -> list[tuple[Delivery[Task], bool]]:
-        """Eval tasks first (never admitted), then training tasks within the grant."""
+        """Eval tasks first (never admitted), then training tasks within the grant, split over the
+        routed pools by their shares; room a pool cannot fill goes to the next pools in priority order."""
         got: list[tuple[Delivery[Task], bool]] = []
+        if gen.mode == "draining":
+            return got
         # A held-out round is hundreds of single greedy samples: take it in one backend call
         # (sized like one training batch in sequences) rather than many small ones, which cost
         # a decode loop each and delay the training batch behind them.
@@ -208,17 +340,30 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
         for p in eval_pullers.values():
             for d in await p.fetch(eval_room, timeout=0.01):
                 got.append((d, True))
-        room = min(gen.budget, cfg.max_batch_groups)
-        for p in train_pullers.values():
+        room = min(gen.budget, gen.batch_cap)
+        short: set[str] = set()
+        for pool, n in gen.split_room(room):
+            batch = await train_puller(pool).fetch(n, timeout=0.05)
+            gen.note_taken(pool, n)  # a shortfall counts as taken: a dry pool builds no backlog of share
+            got.extend((d, False) for d in batch)
+            room -= len(batch)
+            if len(batch) < n:
+                short.add(pool)
+        for pool in gen.pools:
             if room <= 0:
                 break
-            batch = await p.fetch(room, timeout=0.05)
+            if pool in short:
+                continue
+            batch = await train_puller(pool).fetch(room, timeout=0.01)
+            gen.note_taken(pool, len(batch))
             got.extend((d, False) for d in batch)
             room -= len(batch)
         return got
 
     async def work() -> None:
         while not life.stopping.is_set():
+            slowdown.apply(backend)
+            beat.state = gen.state
             deliveries = await gather()
             if not deliveries:
                 if await asyncio.to_thread(backend.apply_staged):
@@ -231,6 +376,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 continue
             n_train = sum(not e for _, e in deliveries)
             gen.started += n_train
+            gen.redelivered += sum(d.deliveries > 1 for d, _ in deliveries)
             gen.in_flight = len(deliveries)
             batch, kept = [], []
             t_env = time.perf_counter()
@@ -245,6 +391,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 batch.append((d.msg, prompt))
                 kept.append((d, is_eval))
             if not batch:
+                gen.in_flight = 0
                 continue
             try:
                 groups = await asyncio.to_thread(gen.sample, batch)
@@ -265,13 +412,14 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             await bus.publish_many(items)
             for d, _ in kept:
                 await d.ack()
-            gen.note_published(sum(not e for _, e in kept), sum(e for _, e in kept))
+            gen.note_published(sum(not e for _, e in kept), sum(e for _, e in kept),
+                               Counter(d.msg.pool for d, e in kept if not e))
             t_done = time.perf_counter()
             log.debug("batch", train=sum(not e for _, e in kept), eval=sum(e for _, e in kept), version=backend.version,
                       grant=gen.grant_total, started=gen.started, env_s=round(t_sample - t_env, 4),
                       sample_s=round(t_publish - t_sample, 4), publish_s=round(t_done - t_publish, 4))
             gen.in_flight = 0
 
-    beat.state = "running"
+    beat.state = gen.state
     log.info("generator_ready", backend=cfg.backend, pools=train_pools + eval_pools, boot=gen.boot)
     await run_until_stopped(life, lambda: beat.loop(life), follow_weights, follow_control, work)

@@ -7,6 +7,16 @@ from pydantic import Field
 from services.runtime.config import Settings
 
 
+class VllmOptions(Settings):
+    """The vLLM backend's own knobs ([generator.vllm] table); ignored by the torch backend."""
+
+    threads: int = Field(1, ge=1, le=256, description="OpenMP threads of vLLM's model worker process (CPU builds).")
+    kv_cache_gib: int = Field(1, ge=1, le=1024, description="KV cache size in GiB (VLLM_CPU_KVCACHE_SPACE on CPU builds).")
+    block_size: int | None = Field(None, ge=1, description="KV block size in tokens; prefix caching shares only whole "
+                                   "blocks (None = vLLM's default: 128 on CPU, where it must be a multiple of 32).")
+    compile: bool = Field(False, description="torch.compile the model (slow start on CPU; False = eager).")
+
+
 class GeneratorSettings(Settings):
     instance: str = Field("gen-0", description="Instance name: control and metrics subject token; unique per replica.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Sampling engine behind the backend interface.")
@@ -20,3 +30,6 @@ class GeneratorSettings(Settings):
     seed: int = Field(0, description="Sampling seed (combined with the instance name).")
     env_timeout: float = Field(10.0, gt=0, description="Seconds to wait for an environment reply.")
     slowdown: float = Field(1.0, ge=1.0, description="Testing aid: multiply sampling time (simulates a slow accelerator).")
+    slowdown_file: str = Field("", description="Testing aid: a file holding a slowdown factor, re-read between batches "
+                               "so a test can slow a running generator and speed it up again ('' = off).")
+    vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM backend options (threads, KV cache, blocks).")

@@ -103,6 +103,8 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     tables["controller"].setdefault("eval_tasks", str(heldout) if up_cfg.eval_tasks else "")
     tables["trainer"].setdefault("max_steps", up_cfg.max_steps)
     tables["generator"].setdefault("backend", up_cfg.backend)
+    if backend:  # an explicit --backend wins over the config file's [generator] backend
+        tables["generator"]["backend"] = backend
     resolved = folder / "config.toml"
     resolved.write_text(dumps(tables) + dumps({"up": up_cfg.model_dump()}))
     code = 0

@@ -25,7 +25,7 @@ FROZEN_KEYS: dict[type[Settings], list[str]] = {
     RunSettings: ["run", "nats_url", "model_name", "model_path", "pools", "eval_pool", "group_size", "batch_groups",
                   "max_staleness", "run_dir"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "threads", "dtype", "deterministic",
-                        "admission", "transport", "seed", "env_timeout", "slowdown"],
+                        "admission", "transport", "seed", "env_timeout", "slowdown", "slowdown_file", "vllm"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
                       "clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
                       "kl_coef", "aggregation", "normalize_std", "baseline", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
@@ -34,7 +34,7 @@ FROZEN_KEYS: dict[type[Settings], list[str]] = {
     EnvironmentSettings: ["instance"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "in_use_ttl"],
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
-                         "refresh"],
+                         "refresh", "pool_mix", "route_period", "tau"],
     UpSettings: ["train_tasks", "eval_tasks", "max_steps", "stop_at_accuracy", "seed", "backend", "generators",
                  "max_new_tokens", "temperature", "init_target", "shutdown_grace"],
 }

@@ -7,6 +7,7 @@ trainer of random throughput that drops a random share of groups, and the contro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -197,3 +198,81 @@ def test_dropped_groups_free_their_slots():
 )
 def test_eval_due(version, last, every, due):
     assert eval_due(version, last, every) is due
+
+
+# -- routing shares, concurrency, draining, pausing ---------------------------------------------
+
+
+def test_routing_shares_make_two_generators_produce_any_mix():
+    from services.controller.law import assign_routes
+
+    gens = [GeneratorView(f"g{i}", "b", rate=2.0) for i in range(2)]
+    plan = assign_routes(gens, {"a": 0.2, "b": 0.8}, {}, {})
+    assert all(abs(sum(r.shares.values()) - 1.0) < 1e-3 for r in plan.routes.values())
+    produced = {p: sum(r.shares.get(p, 0.0) * g.rate for g, r in zip(gens, plan.routes.values(), strict=True))
+                for p in ("a", "b")}
+    total = sum(produced.values())
+    assert abs(produced["a"] / total - 0.2) < 1e-3 and abs(produced["b"] / total - 0.8) < 1e-3
+    assert all(r.pools[0] == max(r.shares, key=r.shares.__getitem__) for r in plan.routes.values())
+    assert "need a 0.20, b 0.80" in plan.reason
+
+
+def test_routing_makes_up_a_trained_mix_deficit():
+    from services.controller.law import assign_routes
+
+    gens = [GeneratorView(f"g{i}", "b", rate=1.0) for i in range(2)]
+    behind = assign_routes(gens, {"a": 0.5, "b": 0.5}, {"a": 10, "b": 90}, {}, catch_up_groups=100)
+    assert behind.need["a"] > 0.7  # a is 40 groups behind its share: it gets more than half the capacity
+
+
+def test_concurrency_follows_relative_latency_and_ignores_unmeasured():
+    from services.controller.law import plan_concurrency
+
+    caps = plan_concurrency({"fast": 0.2, "slow": 2.0, "new": math.nan}, max_groups=8)
+    assert caps["fast"][0] == 8 and caps["new"][0] == 8
+    assert caps["slow"][0] == 1 and "2.00s vs typical 0.20s" in caps["slow"][1]
+    assert plan_concurrency({"a": 0.2, "b": 0.7}, max_groups=8)["b"][0] == 3  # 8 * 0.2 / 0.7 = 2.3, rounded up
+    assert plan_concurrency({"a": 0.2, "b": 0.35}, max_groups=8)["b"][0] == 8  # within 2x of typical: noise
+    assert all(c == 8 for c, _ in plan_concurrency({"x": math.nan}, max_groups=8).values())
+    with pytest.raises(ValueError, match="max_groups"):
+        plan_concurrency({}, max_groups=0)
+
+
+def test_a_draining_generator_gets_nothing_and_its_unstarted_grant_is_replanned():
+    from services.controller.law import plan_balanced
+
+    gens = [GeneratorView("g0", "b", started=4, granted=10, last_seen=0.0),
+            GeneratorView("g1", "b", started=0, granted=0, last_seen=0.0)]
+    gens[0].draining = True
+    plan = plan_balanced(gens, TrainerView(), batch_groups=4, max_staleness=1, now=0.0, silent_after=5.0,
+                         max_outstanding=64)
+    assert plan.grants[("g0", "b")] == 4  # what it started, nothing more
+    assert plan.grants[("g1", "b")] == 8 - 4  # the window less what g0 still runs
+    assert sum(plan.grants.values()) <= plan.allowed_total
+
+
+def test_pause_decision():
+    from services.controller.law import pause_decision
+
+    assert pause_decision(TrainerView(done=True, version=7), seen=True)[0] is True
+    assert "version 7" in pause_decision(TrainerView(done=True, version=7), seen=True)[1]
+    assert pause_decision(TrainerView(done=False), seen=True)[0] is False
+    assert pause_decision(TrainerView(done=True), seen=False)[0] is False
+
+
+def test_a_generator_that_slowed_gives_back_its_queue_only_once_it_reports_the_drop():
+    from services.controller.law import Speed, plan_balanced
+
+    slow = GeneratorView("slow", "b", started=10, granted=24, published=9, reported_grant=24, last_seen=0.0)
+    fast = GeneratorView("fast", "b", started=10, granted=10, published=10, reported_grant=10, last_seen=0.0)
+    speeds = {"slow": Speed(rate=0.1, latency_s=15.0, slots=1), "fast": Speed(rate=8.0, latency_s=0.1, slots=8)}
+    kw: dict = dict(batch_groups=8, max_staleness=1, now=0.0, silent_after=5.0, max_outstanding=64, speeds=speeds)
+    trainer = TrainerView(version=1)  # window (1+1+1)*8 = 24 groups: all of it held by the slow one's queue
+    plan = plan_balanced([slow, fast], trainer, **kw)
+    assert plan.reclaimed == {"slow": 13} and plan.grants[("slow", "b")] == 11
+    assert plan.grants[("fast", "b")] == 10  # not yet: the slow one still reports holding 24
+    assert "took back 13 unstarted from slow" in plan.reason
+    slow.reported_grant = 11  # its heartbeat after applying the lower grant
+    plan = plan_balanced([slow, fast], trainer, **kw)
+    assert plan.grants[("fast", "b")] == 24 - 11  # the window less what the slow one still holds
+    assert sum(max(g.granted, g.reported_grant) for g in (slow, fast)) <= plan.allowed_total

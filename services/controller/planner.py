@@ -1,0 +1,292 @@
+"""From what the controller knows to the decisions it publishes.  No I/O: ``step`` returns them.
+
+Every period: admission (``law.plan_balanced``: the staleness window split by measured speed,
+over-sampled by the measured usable fraction), a drain for each generator found silent (its unstarted
+grant and unpublished groups are re-planned; its held tasks come back to the others after the task
+ack wait) and a resume when it is heard from again, pause/resume by the trainer's state.  Every
+``route_period``: pool routing (``law.assign_routes`` over the target mix, the mix trained since it
+was set and the task backlog per pool) and per-generator concurrency (``law.plan_concurrency``).
+A decision is re-sent only when it changes, or after ``refresh`` seconds when the generator's
+heartbeat does not show it yet (a late joiner, a lost message).
+
+Each decision is a ``Control`` on ``rl.<run>.control.<service>.<instance>.<action>`` with the inputs it
+was taken on and its reason; ``seq`` grows across restarts (microseconds at start, +1 per decision),
+so a reader applies the latest of each kind.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import Control
+from services.controller.law import (
+    AdmissionPlan,
+    assign_routes,
+    pause_decision,
+    plan_balanced,
+    plan_concurrency,
+)
+from services.controller.settings import ControllerSettings
+from services.controller.state import ControllerState
+
+SHARE_STEP = 0.1  # a generator's pool shares are re-sent when one moves by more (rates are noisy)
+
+
+@dataclass(frozen=True)
+class Decision:
+    service: str
+    instance: str
+    control: Control
+
+
+class MixError(ValueError):
+    """A requested target mix cannot be used; the message says why."""
+
+
+def normalise_mix(mix: dict[str, Any], pools: list[str]) -> dict[str, float]:
+    unknown = sorted(set(mix) - set(pools))
+    if unknown:
+        raise MixError(f"pool_mix names pools {unknown} that are not among the run's train pools {pools}")
+    try:
+        out = {str(p): float(x) for p, x in mix.items()}
+    except (TypeError, ValueError):
+        raise MixError(f"pool_mix {mix} must map pool names to numbers") from None
+    if any(not math.isfinite(x) or x < 0 for x in out.values()) or sum(out.values()) <= 0:
+        raise MixError(f"pool_mix {mix} needs finite, non-negative shares and at least one positive")
+    total = sum(out.values())
+    return {p: out.get(p, 0.0) / total for p in pools}
+
+
+@dataclass
+class _Sent:
+    value: Any
+    at: float
+
+
+@dataclass
+class Planner:
+    cfg: ControllerSettings
+    pools: list[str]  # the run's train pools
+    batch_groups: int
+    max_staleness: int
+    state: ControllerState = field(init=False)
+    seq: int = field(default_factory=lambda: int(time.time() * 1e6))
+
+    def __post_init__(self) -> None:
+        self.state = ControllerState(tau_s=self.cfg.tau)
+        self.target_mix = normalise_mix(self.cfg.pool_mix or {p: 1.0 for p in self.pools}, self.pools)
+        self.state.balance.set_target_mix(self.target_mix)
+        self.mix_seq = -1
+        self.last_plan: AdmissionPlan | None = None
+        self.last_route_at = -math.inf
+        self.last_decision: dict[str, tuple[str, str]] = {}  # instance -> (action, reason)
+        self._admits: dict[tuple[str, str], _Sent] = {}
+        self._routes: dict[str, _Sent] = {}
+        self._concurrency: dict[str, _Sent] = {}
+        self._paused_by_us: dict[str, _Sent] = {}
+        self._evicted: dict[tuple[str, str], float] = {}
+        self.signals = self.state.balance.signals([])
+
+    # --- inputs ------------------------------------------------------------------------------
+    def set_mix(self, ctl: Control) -> str | None:
+        """Apply a 'set_mix' request (the newest wins); returns a note, or raises ``MixError``."""
+        if ctl.action != "set_mix" or ctl.seq <= self.mix_seq:
+            return None
+        mix = normalise_mix(dict(ctl.params.get("mix", {})), self.pools)
+        self.mix_seq = ctl.seq
+        if mix != self.target_mix:
+            self.target_mix = mix
+            self.state.balance.set_target_mix(mix)
+            self.last_route_at = -math.inf  # re-route at the next step
+            return f"target mix now {mix} ({ctl.reason or 'no reason given'})"
+        return None
+
+    # --- decisions -----------------------------------------------------------------------------
+    def _control(self, service: str, instance: str, action: str, params: dict[str, Any], reason: str,
+                 inputs: dict[str, Any], now: float) -> Decision:
+        self.seq += 1
+        self.last_decision[instance] = (action, reason)
+        return Decision(service, instance, Control(seq=self.seq, action=action, target_service=service,  # type: ignore[arg-type]
+                                                   target_instance=instance, params=params, reason=reason,
+                                                   inputs=inputs, issued_at=now))
+
+    def routed_mix(self) -> dict[str, float]:
+        """Expected share of starts per pool under the current routing (as the generators report it)."""
+        rates = self.signals.effective_rates
+        mix: dict[str, float] = {}
+        for inst in self.state.live_instances():
+            info = self.state.info.get(inst)
+            if info is None or not info.pools:
+                continue
+            shares = info.shares or {info.pools[0]: 1.0}
+            for p, w in shares.items():
+                mix[p] = mix.get(p, 0.0) + w * rates.get(inst, 1.0)
+        return mix
+
+    def step(self, now: float) -> list[Decision]:
+        st = self.state
+        out: list[Decision] = []
+        self.signals = st.balance.signals(st.live_instances())
+        k = self.signals.usable_upper_for(self.routed_mix())
+        plan = plan_balanced(st.views(), st.trainer, batch_groups=self.batch_groups, max_staleness=self.max_staleness,
+                             now=now, silent_after=self.cfg.silent_after, max_outstanding=self.cfg.max_outstanding,
+                             speeds=self.signals.generator_speeds, kept_fraction=k)
+        self.last_plan = plan
+        out += self._admissions(plan, k, now)
+        out += self._silence(plan, now)
+        out += self._pausing(now)
+        if now - self.last_route_at >= self.cfg.route_period:
+            self.last_route_at = now
+            out += self._routing(now)
+            out += self._concurrencies(now)
+        return out
+
+    def _admissions(self, plan: AdmissionPlan, k: float, now: float) -> list[Decision]:
+        st = self.state
+        out: list[Decision] = []
+        # Freshness floor: weights older than V - s could only yield samples beyond the bound.  Within
+        # it, a generator on older weights w only gets the window as it stood at w (plan_balanced's
+        # hold for weights), so it keeps sampling while the new version travels instead of stalling
+        # every step for the weight hand-over (the simulator's model of the service).
+        min_version = max(st.trainer.version - self.max_staleness, 0)
+        for (instance, boot), grant in plan.grants.items():
+            g = st.generators[(instance, boot)]
+            prev = self._admits.get((instance, boot))
+            if not g.alive or g.draining or (prev and prev.value == (grant, min_version)
+                                              and now - prev.at < self.cfg.refresh):
+                continue
+            out.append(self._control(
+                "generator", instance, "admit", {"boot": boot, "grant_total": grant, "min_version": min_version},
+                plan.reason, {"trainer_version": st.trainer.version, "allowed_total": plan.allowed_total,
+                              "trained_bound": plan.trained_bound, "oversample": plan.oversample, "usable_upper": k,
+                              "started_total": plan.started_total, "dropped": st.trainer.dropped_groups,
+                              "pending": st.trainer.pending_groups}, now))
+            self._admits[(instance, boot)] = _Sent((grant, min_version), now)
+        return out
+
+    def _silence(self, plan: AdmissionPlan, now: float) -> list[Decision]:
+        st = self.state
+        out: list[Decision] = []
+        for key in plan.lost:
+            instance, _, boot = key.partition("/")
+            g = st.generators.get((instance, boot))
+            if g is None:
+                continue
+            self._evicted[(instance, boot)] = now
+            q = st.queues
+            info = st.info.get(instance)
+            if info is not None and info.boot != boot:
+                why = f"replaced by boot {info.boot}"
+            elif info is not None and info.state == "stopped":
+                why = "stopped"
+            else:
+                why = f"silent for more than {self.cfg.silent_after}s"
+            out.append(self._control(
+                "generator", instance, "drain", {"boot": boot},
+                f"{why}: its unstarted grant and unpublished groups are re-planned to the live generators; "
+                f"the tasks it held come back to them after the task ack wait",
+                {"last_seen_age_s": round(now - g.last_seen, 3) if g.last_seen else None, "published": g.published,
+                 "live": st.live_instances(), "tasks_held": dict(q.held), "tasks_redelivered": dict(q.redelivered),
+                 "admission": plan.reason}, now))
+        for (instance, boot), at in list(self._evicted.items()):
+            g = st.generators.get((instance, boot))
+            if g is not None and g.alive:
+                del self._evicted[(instance, boot)]
+                out.append(self._control("generator", instance, "resume", {"boot": boot},
+                                         f"heard from again {now - at:.1f}s after it was found silent",
+                                         {"state": st.info.get(instance, None) and st.info[instance].state}, now))
+        return out
+
+    def _pausing(self, now: float) -> list[Decision]:
+        st = self.state
+        out: list[Decision] = []
+        paused, why = pause_decision(st.trainer, seen=st.trainer_seen)
+        for instance in st.live_instances():
+            info = st.info.get(instance)
+            if info is None:
+                continue
+            prev = self._paused_by_us.get(instance)
+            if paused and info.state == "running" and (prev is None or now - prev.at >= self.cfg.refresh):
+                out.append(self._control("generator", instance, "pause", {}, why,
+                                         {"trainer_version": st.trainer.version, "trainer_done": st.trainer.done}, now))
+                self._paused_by_us[instance] = _Sent(True, now)
+            elif not paused and prev is not None and info.state == "paused":
+                out.append(self._control("generator", instance, "resume", {}, why,
+                                         {"trainer_version": st.trainer.version, "trainer_done": st.trainer.done}, now))
+                del self._paused_by_us[instance]
+        return out
+
+    def _routing(self, now: float) -> list[Decision]:
+        st, sig = self.state, self.signals
+        out: list[Decision] = []
+        mix = {p: x for p, x in self.target_mix.items() if x > 0}
+        live = [g for g in st.views() if g.alive and not g.draining]
+        if not live or not mix:
+            return out
+        backlog = dict(st.queues.backlog) if st.queues.at > 0 else {}
+        since = st.balance.trained_since_target()
+        plan = assign_routes(
+            live, mix, since, backlog, rates=sig.effective_rates or None,
+            kept_by_pool={p: s.usable_fraction for p, s in sig.pools.items()
+                          if s.source == "trainer" and math.isfinite(s.usable_fraction) and s.usable_fraction > 0},
+            current={i: info.pools for i, info in st.info.items()})
+        for instance, route in plan.routes.items():
+            prev = self._routes.get(instance)
+            info = st.info.get(instance)
+            shares = {p: round(w, 3) for p, w in route.shares.items()}
+            moved = prev is None or prev.value[0] != route.pools or any(
+                abs(prev.value[1].get(p, 0.0) - shares.get(p, 0.0)) > SHARE_STEP for p in {*prev.value[1], *shares})
+            unseen = info is not None and info.pools != route.pools and now - (prev.at if prev else 0.0) >= self.cfg.refresh
+            if not (moved or unseen):
+                continue
+            rate = sig.effective_rates.get(instance, math.nan)
+            out.append(self._control(
+                "generator", instance, "assign_pools", {"pools": route.pools, "shares": shares},
+                f"{plan.reason}; {instance} stacked at {rate:.2f} groups/s", {
+                    "target_mix": mix, "trained_since_target": since, "mix_measured_on": st.balance.mix_source,
+                    "backlog": backlog, "rates": dict(sig.effective_rates), "need": plan.need}, now))
+            self._routes[instance] = _Sent((route.pools, shares), now)
+        return out
+
+    def _concurrencies(self, now: float) -> list[Decision]:
+        st = self.state
+        out: list[Decision] = []
+        latency = {i: self.signals.generator_speeds[i].latency_s if i in self.signals.generator_speeds else math.nan
+                   for i in st.live_instances()}
+        for instance in latency:
+            info = st.info.get(instance)
+            if info is None or info.max_batch_groups < 1:
+                continue
+            cap, why = plan_concurrency(latency, max_groups=info.max_batch_groups)[instance]
+            prev = self._concurrency.get(instance)
+            unseen = info.concurrency != cap and (prev is None or now - prev.at >= self.cfg.refresh)
+            if (prev is not None and prev.value == cap and not unseen) or (prev is None and cap == info.concurrency):
+                continue
+            out.append(self._control("generator", instance, "concurrency", {"max_groups": cap}, why,
+                                     {"latency_s": {i: round(x, 4) for i, x in latency.items() if math.isfinite(x)},
+                                      "max_batch_groups": info.max_batch_groups}, now))
+            self._concurrency[instance] = _Sent(cap, now)
+        return out
+
+    def evaluate(self, version: int, tasks: int, why: str, now: float) -> Decision:
+        return self._control("generator", "all", "evaluate", {"version": version, "tasks": tasks}, why,
+                             {"trainer_version": self.state.trainer.version, "eval_every": self.cfg.eval_every}, now)
+
+    # --- what the controller's heartbeat carries ------------------------------------------------
+    def metrics(self) -> dict[str, float]:
+        st = self.state
+        m: dict[str, float] = {"controller/trainer_version": st.trainer.version,
+                               "controller/live_generators": len(st.live_instances())}
+        if self.last_plan is not None:
+            p = self.last_plan
+            m |= {"controller/allowed_total": p.allowed_total, "controller/oversample": p.oversample,
+                  "controller/trained_bound": p.trained_bound, "controller/started_total": p.started_total}
+        m |= {k: v for k, v in self.signals.as_metrics().items() if math.isfinite(v)}
+        m |= {f"controller/target/{p}": x for p, x in self.target_mix.items()}
+        m |= {f"controller/trained_since_target/{p}": n for p, n in st.balance.trained_since_target().items()}
+        m["controller/mix_from_trainer"] = float(st.balance.mix_source == "trainer")
+        m |= st.queues.metrics()
+        return m

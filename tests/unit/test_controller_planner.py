@@ -1,0 +1,244 @@
+"""The controller's decisions from heartbeats (planner + state), and the generator's side of them.
+
+No bus here: heartbeats go into ``Planner.state`` and the decisions ``Planner.step`` returns are
+fed to a real ``Generator`` core, as the services do over CONTROL.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from schemas import Control, Heartbeat
+from services.controller.planner import MixError, Planner
+from services.controller.settings import ControllerSettings
+from services.controller.state import ControllerState, trainer_outcomes
+from services.generator.service import Generator
+from services.generator.settings import GeneratorSettings
+
+
+class FakeBackend:
+    version = 0
+    slowdown = 1.0
+    eos_id = None
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+def gen_core(pools=("a", "b"), **kw: Any) -> Generator:
+    return Generator(FakeBackend(), GeneratorSettings(instance="gen-0", max_batch_groups=8, **kw), list(pools))
+
+
+def ctl(seq: int, action: str, **params: Any) -> Control:
+    return Control(seq=seq, action=action, target_service="generator", target_instance="gen-0", params=params)  # type: ignore[arg-type]
+
+
+def gen_hb(instance: str, ts: float, *, boot: str, started: int, published: int, seq: int = 1, state: str = "running",
+           pools: list[str] | None = None, concurrency: int = 8, version: int = 0, by_pool: dict[str, int] | None = None,
+           shares: dict[str, float] | None = None) -> Heartbeat:
+    metrics = {"generator/groups_started": started, "generator/groups_published": published,
+               "generator/concurrency": concurrency, "generator/groups_per_s": 1.0,
+               **{f"generator/pool/{p}/published": n for p, n in (by_pool or {}).items()}}
+    return Heartbeat(service="generator", instance=instance, seq=seq, ts=ts, state=state, version=version,
+                     metrics=metrics, info={"boot": boot, "pools": pools or ["a"], "max_batch_groups": 8,
+                                            "shares": shares or {}})
+
+
+def trainer_hb(ts: float, *, seq: int, version: int = 0, trained: int = 0, state: str = "running",
+               **counts: float) -> Heartbeat:
+    metrics = {"trainer/version": version, "trainer/groups_trained_total": trained, "trainer/groups_dropped_total": 0,
+               **{f"trainer/groups_{k}": v for k, v in counts.items()}}
+    return Heartbeat(service="trainer", instance="trainer-0", seq=seq, ts=ts, state=state, version=version,
+                     metrics=metrics)
+
+
+def planner(**kw: Any) -> Planner:
+    return Planner(ControllerSettings(route_period=1.0, refresh=100.0, **kw), ["a", "b"], batch_groups=4,
+                   max_staleness=1)
+
+
+# -- the generator's side ---------------------------------------------------------------------------
+
+
+def test_admits_apply_to_their_boot_only_and_in_seq_order():
+    g = gen_core()
+    assert g.on_control(ctl(5, "admit", boot="other", grant_total=9)) is None
+    assert g.on_control(ctl(5, "admit", boot=g.boot, grant_total=9, min_version=2)) is not None
+    assert (g.grant_total, g.min_version) == (9, 2)
+    assert g.on_control(ctl(4, "admit", boot=g.boot, grant_total=20)) is None  # older: ignored
+    g.started = 8
+    g.on_control(ctl(6, "admit", boot=g.boot, grant_total=7))
+    assert g.grant_total == 8  # the newest grant holds (unstarted groups taken back), never below what started
+    off = gen_core(admission=False)
+    assert off.on_control(ctl(7, "admit", boot=off.boot, grant_total=3)) is None and off.budget > 1 << 40
+
+
+def test_drain_gives_the_unstarted_grant_back_and_voids_older_admits():
+    g = gen_core()
+    g.on_control(ctl(1, "admit", boot=g.boot, grant_total=10))
+    g.started, g.in_flight = 4, 2
+    g.on_control(ctl(2, "drain"))
+    assert g.grant_total == 4 and g.budget == 0 and g.state == "draining"
+    g.in_flight = 0
+    assert g.state == "drained"
+    g.on_control(ctl(3, "resume"))
+    assert g.state == "running" and g.budget == 0
+    g.on_control(ctl(4, "admit", boot=g.boot, grant_total=6))
+    assert g.budget == 2
+    # pause/resume/drain are one kind: an older pause replayed later does not undo the resume.
+    assert g.on_control(ctl(2, "pause")) is None and g.state == "running"
+    # A drain addressed to an earlier boot (the controller found that one silent) is not ours.
+    assert g.on_control(ctl(9, "drain", boot="dead-boot")) is None and g.state == "running"
+
+
+def test_routing_and_concurrency_are_kept_within_what_the_replica_serves():
+    g = gen_core(pools=("a", "b"))
+    assert g.on_control(ctl(1, "assign_pools", pools=["c"])) is None  # not a pool it serves
+    g.on_control(ctl(2, "assign_pools", pools=["b", "a", "c"], shares={"b": 0.75, "a": 0.25, "c": 1.0}))
+    assert g.pools == ["b", "a"] and g.shares == {"b": 0.75, "a": 0.25}
+    g.on_control(ctl(3, "concurrency", max_groups=100))
+    assert g.batch_cap == 8
+    g.on_control(ctl(4, "concurrency", max_groups=2))
+    assert g.batch_cap == 2
+
+
+def test_split_room_follows_the_shares_over_batches():
+    g = gen_core()
+    g.on_control(ctl(1, "assign_pools", pools=["b", "a"], shares={"b": 0.8, "a": 0.2}))
+    taken = {"a": 0, "b": 0}
+    for room in [1, 3, 2, 1, 5, 8, 1, 4, 3, 2]:
+        split = g.split_room(room)
+        assert sum(n for _, n in split) == room
+        for p, n in split:
+            g.note_taken(p, n)
+            taken[p] += n
+    assert abs(taken["a"] / sum(taken.values()) - 0.2) <= 0.04
+    assert g.split_room(0) == []
+    g.on_control(ctl(2, "assign_pools", pools=["a", "b"]))  # no shares: the first pool with work
+    assert g.split_room(4) == [("a", 4)]
+
+
+# -- the controller's state -------------------------------------------------------------------------
+
+
+def test_trainer_outcomes_prefer_a_per_pool_breakdown():
+    by_pool, by_gen = trainer_outcomes({"trainer/pool/a/groups_train": 3, "trainer/pool/b/groups_filtered": 2,
+                                        "trainer/generator/gen-0/groups_stale": 1, "trainer/groups_train": 3})
+    assert by_pool == {"a": {"train": 3}, "b": {"filtered": 2}} and by_gen == {"gen-0": {"stale": 1}}
+    totals, _ = trainer_outcomes({"trainer/groups_train": 5, "trainer/groups_stale": 2})
+    assert totals["*"]["train"] == 5 and totals["*"]["stale_held"] == 2
+
+
+def test_state_marks_draining_generators_and_sums_published_pools_over_boots():
+    st = ControllerState(tau_s=5.0)
+    st.observe(gen_hb("gen-0", 1.0, boot="x", started=5, published=3, by_pool={"a": 3}), now=1.0)
+    st.observe(gen_hb("gen-0", 2.0, boot="y", started=2, published=2, by_pool={"a": 1, "b": 1}, state="draining"),
+               now=2.0)
+    assert st.generators[("gen-0", "y")].draining and not st.generators[("gen-0", "x")].draining
+    assert st.balance.trained_by_pool == {"a": 4, "b": 1}
+    assert st.live_instances() == []
+
+
+# -- the controller's decisions ---------------------------------------------------------------------
+
+
+def feed(p: Planner, t: float, *, trainer_state: str = "running", gens: dict[str, dict[str, Any]] | None = None,
+         version: int = 0) -> None:
+    p.state.observe(trainer_hb(t, seq=int(t) + 1, version=version, state=trainer_state), now=t)
+    for name, kw in (gens or {}).items():
+        p.state.observe(gen_hb(name, t, **kw), now=t)
+
+
+def test_admissions_are_decisions_with_inputs_and_reason():
+    p = planner()
+    feed(p, 1.0, gens={"gen-0": dict(boot="x", started=0, published=0)})
+    out = p.step(1.0)
+    admit = next(d for d in out if d.control.action == "admit")
+    assert admit.instance == "gen-0" and admit.control.params["boot"] == "x"
+    assert admit.control.params["grant_total"] == (0 + 1 + 1) * 4  # the whole window for the only generator
+    assert "allowed=(V=0+s=1+1)*B=4" in admit.control.reason and admit.control.inputs["trainer_version"] == 0
+    assert not [d for d in p.step(1.1) if d.control.action == "admit"]  # unchanged: not re-sent
+
+
+def test_a_silent_generator_is_drained_replanned_and_resumed_when_back():
+    p = planner(silent_after=2.0)
+    both = {"gen-0": dict(boot="x", started=0, published=0), "gen-1": dict(boot="y", started=0, published=0)}
+    feed(p, 1.0, gens=both)
+    p.step(1.0)
+    before = p.last_plan.grants[("gen-1", "y")]
+    feed(p, 4.0, gens={"gen-1": both["gen-1"]})  # gen-0 stopped heartbeating
+    out = p.step(4.0)
+    drain = [d for d in out if d.control.action == "drain"]
+    assert [d.instance for d in drain] == ["gen-0"] and drain[0].control.params == {"boot": "x"}
+    assert "silent for more than 2.0s" in drain[0].control.reason
+    assert p.last_plan.grants[("gen-1", "y")] > before and "gen-0/x" in p.last_plan.lost
+    feed(p, 5.0, gens=both)
+    resumed = [d for d in p.step(5.0) if d.control.action == "resume"]
+    assert [(d.instance, d.control.params) for d in resumed] == [("gen-0", {"boot": "x"})]
+
+
+def test_generators_pause_when_the_trainer_is_done_and_resume_when_it_runs():
+    p = planner()
+    feed(p, 1.0, trainer_state="done", gens={"gen-0": dict(boot="x", started=0, published=0)})
+    pause = [d for d in p.step(1.0) if d.control.action == "pause"]
+    assert len(pause) == 1 and "trainer done" in pause[0].control.reason
+    feed(p, 2.0, trainer_state="running", gens={"gen-0": dict(boot="x", started=0, published=0, state="paused")})
+    assert [d.control.action for d in p.step(2.0) if d.control.action in ("pause", "resume")] == ["resume"]
+
+
+def test_a_new_target_mix_reroutes_the_generators():
+    p = planner()
+    gens = {"gen-0": dict(boot="x", started=0, published=0, pools=["a", "b"]),
+            "gen-1": dict(boot="y", started=0, published=0, pools=["b", "a"])}
+    feed(p, 1.0, gens=gens)
+    first = {d.instance: d.control.params for d in p.step(1.0) if d.control.action == "assign_pools"}
+    assert first["gen-0"]["pools"][0] != first["gen-1"]["pools"][0]  # 50/50: one each
+    mix = Control(seq=10, action="set_mix", target_service="controller", params={"mix": {"a": 0.2, "b": 0.8}},
+                  reason="test")
+    assert "target mix now" in p.set_mix(mix)
+    feed(p, 1.2, gens=gens)
+    out = {d.instance: d.control for d in p.step(1.2) if d.control.action == "assign_pools"}
+    a_share = sum(c.params["shares"].get("a", 0.0) for c in out.values()) / 2
+    assert a_share == pytest.approx(0.2, abs=0.01)
+    assert all("need a 0.20, b 0.80" in c.reason and c.inputs["target_mix"] == {"a": 0.2, "b": 0.8}
+               for c in out.values())
+    assert p.set_mix(mix) is None  # the same request again (a replay) changes nothing
+    with pytest.raises(MixError, match="not among the run's train pools"):
+        p.set_mix(Control(seq=11, action="set_mix", target_service="controller", params={"mix": {"zz": 1.0}}))
+
+
+def test_a_slow_generator_gets_a_lower_concurrency():
+    p = planner()
+    for t in range(0, 40):
+        # gen-0 finishes its 8 groups every second, gen-1 (slowed) one group every 8 seconds.
+        feed(p, float(t), gens={"gen-0": dict(boot="x", started=8 * t + 8, published=8 * t),
+                                "gen-1": dict(boot="y", started=t // 8 + 1, published=t // 8)})
+    out = {d.instance: d.control for d in p.step(40.0) if d.control.action == "concurrency"}
+    assert out["gen-1"].params["max_groups"] < 8 and "latency" in out["gen-1"].reason
+    assert "gen-0" not in out  # already at its maximum: nothing to say
+    m = p.metrics()
+    assert m["controller/target/a"] == 0.5 and math.isfinite(m["controller/balance/production"])
+
+
+# -- the operator's side ---------------------------------------------------------------------------
+
+
+async def test_an_operator_mix_request_reaches_the_controller_as_a_recorded_decision():
+    from bus.memory import MemoryBus
+    from services.commands.control import parse_mix, send_mix, send_state
+
+    bus = MemoryBus("r")
+    await send_mix(bus, parse_mix(["a=1", "b=3"]), reason="more of b")
+    await send_state(bus, "drain", "gen-0")
+    stored = dict(bus.messages("CONTROL"))
+    request = Control.decode(stored["rl.r.control.controller.all.set_mix"])
+    assert request.params == {"mix": {"a": 1.0, "b": 3.0}} and request.reason == "more of b"
+    assert Control.decode(stored["rl.r.control.generator.gen-0.drain"]).action == "drain"
+    p = planner()
+    assert "target mix now {'a': 0.25, 'b': 0.75}" in p.set_mix(request)
+    for bad in (["a"], ["a=x"], ["a=-1"], ["a=0"]):
+        with pytest.raises(SystemExit):
+            parse_mix(bad)

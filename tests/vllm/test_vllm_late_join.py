@@ -1,0 +1,60 @@
+"""A vLLM generator joins a running pipeline (real processes, real nats-server) and serves the
+latest policy version, then follows the next one in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas import WeightManifest
+from services.tasks.addition import make_split
+from tests.e2e.harness import Pipeline, wait_heartbeat
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.integration]
+
+N_TASKS = 2000
+
+
+async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_model, tmp_path):
+    from schemas import Task
+
+    tables = {
+        "run": {"run": "vllmjoin", "model_path": str(tiny_model), "batch_groups": 8, "group_size": 8,
+                "max_staleness": 1},
+        "trainer": {"lr": 1e-4, "checkpoint_every": 50},
+        "controller": {"eval_every": 0},
+        "generator": {"max_batch_groups": 8},
+        "broadcast": {}, "reward": {}, "environment": {},
+    }
+    p = Pipeline(tmp_path, tables)
+    p.start_server()
+    try:
+        for name in ("environment", "reward", "broadcast", "controller", "trainer"):
+            p.start(name, name)
+        p.start("gen-0", "generator", env={"RLBUS_GENERATOR__INSTANCE": '"gen-0"'})
+        bus = await p.bus()
+        s = p.subjects
+        tasks = [Task(run="vllmjoin", task_id=t.task_id, pool="train", env="addition", prompt=t.prompt,
+                      answer=t.answer, group_size=8) for t in make_split("train", N_TASKS, seed=4)]
+        await bus.publish_many([(s.tasks("train"), t.encode(), f"task.{t.task_id}") for t in tasks])
+        await wait_heartbeat(bus, lambda h: h.service == "broadcast" and h.version >= 2, timeout=240)
+
+        latest = WeightManifest.decode(await bus.last(s.weights("policy"))).version
+        p.start("gen-vllm", "generator", env={"RLBUS_GENERATOR__INSTANCE": '"gen-vllm"',
+                                               "RLBUS_GENERATOR__BACKEND": '"vllm"'})
+        joined = await wait_heartbeat(bus, lambda h: h.instance == "gen-vllm" and h.version >= latest, timeout=300)
+        assert joined.info.get("backend") == "vllm"
+        assert joined.version >= latest >= 2
+        # It serves (publishes groups that the trainer consumes) and follows a newer version in place.
+        served = await wait_heartbeat(
+            bus, lambda h: h.instance == "gen-vllm" and h.version > joined.version
+            and h.metrics.get("generator/groups_published", 0) > 0, timeout=300)
+        print({k: v for k, v in served.metrics.items() if k.startswith("generator/")})
+        assert served.metrics["generator/swaps"] >= 2
+        assert served.metrics["generator/swap_pause_max_s"] > 0
+        await bus.close()
+    except BaseException:
+        print(p.logs())
+        raise
+    finally:
+        p.stop()
