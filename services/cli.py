@@ -48,6 +48,11 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--nats-url", default="nats://127.0.0.1:4222")
     status.add_argument("--json", action="store_true", help="one JSON snapshot and exit")
     status.add_argument("--seconds", type=float, default=2.0, help="how long to listen for heartbeats")
+    status.add_argument("--watch", type=float, default=0.0, metavar="SECONDS",
+                        help="redraw every SECONDS until Ctrl-C (0 = one snapshot)")
+
+    sub.add_parser("control", add_help=False,
+                   help="send a decision to a running controller or generator: set-mix a=0.2 b=0.8 | pause|resume|drain INSTANCE")
 
     init = sub.add_parser("init-model", help="build the small warm-started policy as a Hugging Face folder")
     init.add_argument("--out", default="models/tiny-addition")
@@ -58,6 +63,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["control"]:  # its own parser (subcommands of its own)
+        from services.commands.control import main as control_main
+
+        return control_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "serve":
         from services.serve import serve
@@ -83,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "status":
         from services.commands.status import status
 
-        return status(args.run, args.nats_url, as_json=args.json, seconds=args.seconds)
+        return status(args.run, args.nats_url, as_json=args.json, seconds=args.seconds, watch=args.watch)
     if args.cmd == "init-model":
         from services.commands.init_model import init_model_cmd
 
