@@ -8,6 +8,8 @@ sequences continue and their later tokens carry the new version.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from services.runtime.registry import Registry
@@ -35,6 +37,27 @@ class Backend(Protocol):
     def eos_id(self) -> int | None: ...
 
     def metrics(self) -> dict[str, float]: ...
+
+
+class SampleMeter:
+    """What every backend counts around a sample call: seconds, tokens, and the testing slowdown
+    (``slowdown`` > 1 sleeps that multiple of the call's time, simulating a slower accelerator;
+    the service may change it at run time)."""
+
+    def __init__(self, slowdown: float = 1.0) -> None:
+        self.slowdown = slowdown
+        self.sample_seconds = 0.0
+        self.tokens = 0
+
+    def metered(self, call: Callable[[], list[list[Any]]]) -> list[list[Any]]:
+        t0 = time.perf_counter()
+        out = call()
+        spent = time.perf_counter() - t0
+        if self.slowdown > 1.0:
+            time.sleep(spent * (self.slowdown - 1.0))
+        self.sample_seconds += time.perf_counter() - t0
+        self.tokens += sum(len(s.completion_ids) for g in out for s in g)
+        return out
 
 
 # Lazy "module:attr" entries: choosing a backend imports it, so a torch-only install never imports vLLM.

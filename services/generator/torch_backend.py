@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from services.generator.backend import SampleMeter
 from services.policy.load import load_policy, load_state_from_safetensors, read_weights
 from services.policy.sampler import GroupSampler
 from services.policy.sampling import SamplingParams
@@ -44,16 +45,14 @@ class WeightSlot:
         return True
 
 
-class TorchBackend:
+class TorchBackend(SampleMeter):
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
                  slowdown: float = 1.0, **_: Any) -> None:
         model, tokenizer = load_policy(model_path, dtype=dtype, attn="eager" if deterministic else "sdpa")  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.slot = WeightSlot(model, version)
         self.sampler = GroupSampler(self.slot, deterministic=deterministic)
-        self.slowdown = slowdown
-        self.sample_seconds = 0.0
-        self.tokens = 0
+        SampleMeter.__init__(self, slowdown)
 
     @property
     def version(self) -> int:
@@ -68,14 +67,7 @@ class TorchBackend:
                                 max_new_tokens=sampling.max_new_tokens, stop_token_ids=tuple(stop_ids))
         gen = torch.Generator(device="cpu")
         gen.manual_seed(seed)
-        t0 = time.perf_counter()
-        out = self.sampler.sample_groups(prompts, n, params, gen)
-        spent = time.perf_counter() - t0
-        if self.slowdown > 1.0:
-            time.sleep(spent * (self.slowdown - 1.0))
-        self.sample_seconds += time.perf_counter() - t0
-        self.tokens += sum(len(s.completion_ids) for g in out for s in g)
-        return out
+        return self.metered(lambda: self.sampler.sample_groups(prompts, n, params, gen))
 
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         self.slot.stage(version, weights)

