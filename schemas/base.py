@@ -315,22 +315,21 @@ def _build_checker(tp: Any) -> Checker:
 
 
 def _check_array(spec: ArraySpec, value: Any, field: Path, ctx: Ctx) -> np.ndarray:
-    tp = typing.Annotated[np.ndarray, spec]
+    # Runs for every array of every decoded message: the declared type is spelled out only
+    # when an error needs it, and the common case takes as few numpy calls as possible.
     if not isinstance(value, dict) or len(value) != 3 or "dtype" not in value or "shape" not in value \
             or "data" not in value:
-        raise _fail(ctx, field, tp, value, "array must be a map {dtype, shape, data}")
+        raise _fail(ctx, field, array_field(spec), value, "array must be a map {dtype, shape, data}")
     dtype, shape, data = value["dtype"], value["shape"], value["data"]
     if dtype != spec.dtype:
-        raise _fail(ctx, field, tp, dtype, f"array dtype must be {spec.dtype}")
-    if (
-        not isinstance(shape, list) or len(shape) != spec.ndim
-        or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)
-    ):
-        raise _fail(ctx, field, tp, shape, f"array shape must be {spec.ndim} non-negative ints")
+        raise _fail(ctx, field, array_field(spec), dtype, f"array dtype must be {spec.dtype}")
+    if not isinstance(shape, list) or len(shape) != spec.ndim or not all(
+            type(s) is int and s >= 0 for s in shape):
+        raise _fail(ctx, field, array_field(spec), shape, f"array shape must be {spec.ndim} non-negative ints")
     if not isinstance(data, bytes):
-        raise _fail(ctx, field, tp, data, "array data must be bytes")
+        raise _fail(ctx, field, array_field(spec), data, "array data must be bytes")
     dt = _DTYPES.get(dtype) or _DTYPES.setdefault(dtype, np.dtype(dtype))
-    count = math.prod(shape)
+    count = shape[0] if spec.ndim == 1 else math.prod(shape)
     if count * dt.itemsize != len(data):
         raise SchemaError(
             "array byte length does not match dtype x shape", schema=ctx[0], version=ctx[1], field=_path(field),
@@ -338,10 +337,15 @@ def _check_array(spec: ArraySpec, value: Any, field: Path, ctx: Ctx) -> np.ndarr
         )
     # Zero-copy view over the bytes msgpack handed us (read-only, as it should be).
     try:
-        arr = np.frombuffer(data, dtype=dt).reshape(shape)
+        arr = np.frombuffer(data, dtype=dt)
+        if spec.ndim != 1:
+            arr = arr.reshape(shape)
     except ValueError as exc:  # e.g. a zero-size shape whose other dimensions overflow numpy
-        raise _fail(ctx, field, tp, shape, f"array shape is not representable ({exc})") from None
-    if spec.finite and dt.kind == "f" and arr.size and not np.isfinite(arr).all():
+        raise _fail(ctx, field, array_field(spec), shape, f"array shape is not representable ({exc})") from None
+    # A NaN or inf anywhere makes the sum non-finite; only then (or on float overflow of a
+    # finite sum) is the element-wise test needed to name the index.
+    if spec.finite and dt.kind == "f" and count and not math.isfinite(float(arr.sum(dtype=np.float64))) \
+            and not np.isfinite(arr).all():
         bad = int(np.flatnonzero(~np.isfinite(arr.reshape(-1)))[0])
         raise SchemaError(
             f"array holds a non-finite value at flat index {bad}; the producer computed NaN/inf",

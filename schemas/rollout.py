@@ -58,11 +58,12 @@ class Rollout(Message):
         if spans.ndim != 2 or spans.shape[1] != 2:
             raise invalid(self, "version_spans", "must be rows of [offset, version]",
                           expected="shape (k, 2)", got=str(spans.shape))
-        if n and (len(spans) == 0 or spans[0, 0] != 0):
+        rows = spans.tolist()  # a handful of rows: plain Python beats a numpy call per check
+        if n and (not rows or rows[0][0] != 0):
             raise invalid(self, "version_spans", "must start at offset 0 when there are completion tokens")
-        if len(spans) > 1 and not (np.diff(spans[:, 0]) > 0).all():
+        if any(a[0] >= b[0] for a, b in zip(rows, rows[1:], strict=False)):
             raise invalid(self, "version_spans", "offsets must be strictly increasing")
-        if len(spans) and (spans[:, 1] < 0).any():
+        if any(v < 0 for _, v in rows):
             raise invalid(self, "version_spans", "versions must be >= 0")
 
     @property
