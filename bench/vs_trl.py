@@ -3,7 +3,7 @@
 Both systems run one after the other on this machine, from the same warm-start Hugging Face folder
 (default models/tiny-addition, built with `rlbus init-model` when missing), with the same recipe:
 group size 8, 32 prompts per optimiser step, AdamW lr 1e-4, no KL, temperature 1.0, at most 6 new
-tokens, 1 torch thread per process, the same 8192 training tasks (make_split("train", 8192, 0)) and
+tokens, 1 torch thread per process, the same 65536 training tasks (make_split("train", 65536, 0)) and
 the same 200 held-out tasks (make_split("heldout", 200, 0)), evaluated greedily every 2 steps.
 
 Prints ONE JSON object (also written to --out): per system the seconds to held-out >= 0.8 and >= 0.9
@@ -15,17 +15,21 @@ accuracy existed", model loading and process start-up excluded):
     the training process, and its time is subtracted.
   * rlbus: from the moment all services are up = the latest `*_ready` log event of the services
     (the generator's, after it has imported torch and loaded the model; the trainer loads at the
-    same time and has no ready event of its own). An eval row is placed at the time the trainer
-    produced the evaluated version (its `step` log event). rlbus evaluates in its own pipeline,
-    concurrently with training, on the same cores, so evaluation is not subtracted: it slows rlbus's
-    training and is paid for. The `known_at` variant places each point when the 200th eval result
-    reached the monitor instead (eval latency included) — strictly worse for rlbus.
-  `rlbus up` publishes all training tasks after launching the services, so with 65536 tasks the
-  services are up (and training) for a while before publishing ends: that overlap is on rlbus's
-  clock (reported as publishing_after_ready_s / steps_while_publishing).
+    same time and has no ready event of its own). An eval point is placed at the time the trainer
+    produced the evaluated version (its `step` log event).
+    --rlbus-eval posthoc (default): every version the trainer writes is hard-linked out of the run
+    folder by this driver, and every 2nd one is evaluated after the run with TRL's own evaluation
+    function (bench/trl_grpo.py greedy_heldout_accuracy) — evaluation off the clock on both sides.
+    The pipeline itself evaluates only every 20 versions, so `rlbus up` stops near the target.
+    --rlbus-eval inline: rlbus evaluates every 2 versions in its own pipeline, concurrently with
+    training, on the same cores, so evaluation is on its clock (the earlier, harsher reading).
+    The `known_at` variant places each inline point when the 200th eval result reached the monitor
+    instead (eval latency included).
+  `rlbus up` feeds training tasks to the bus as its backlog drains, from the same process that
+  watches the run; that work is on rlbus's clock.
   The raw `rlbus up` monitor clock (`t` in metrics.jsonl: seconds since `rlbus up` started watching,
-  right after launching the service processes and publishing the tasks, so it includes their boot)
-  is kept per point as `t_monitor`.
+  right after launching the service processes, so it includes their boot) is kept per point as
+  `t_monitor`.
 
 `rlbus up` evaluates held-out tasks with the task file's sampling parameters; its own held-out
 file has none, so it would sample at temperature 1 with up to 16 tokens. This bench hands the
@@ -71,6 +75,8 @@ THRESHOLDS = (0.8, 0.9)
 # Also reported (not the headline): useful when a loaded machine keeps both below 0.8 in the budget.
 AUX_THRESHOLDS = (0.5, 0.6, 0.7)
 EVAL_EVERY = 2
+# --rlbus-eval posthoc: the pipeline still evaluates now and then, so `rlbus up` stops at the target.
+POSTHOC_LIVE_EVAL_EVERY = 20
 STALL_S = 120.0  # stop `rlbus up` when its trainer has not stepped for this long
 
 
@@ -123,7 +129,7 @@ def write_greedy_heldout(path: Path) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
-def rlbus_config(model: Path, heldout: Path) -> str:
+def rlbus_config(model: Path, heldout: Path, *, eval_every: int, keep_versions: int) -> str:
     return f"""[run]
 run = "vs-trl"
 model_path = "{model}"
@@ -138,8 +144,11 @@ threads = 1
 [generator]
 threads = 1
 
+[broadcast]
+keep_versions = {keep_versions}
+
 [controller]
-eval_every = {EVAL_EVERY}
+eval_every = {eval_every}
 eval_tasks = "{heldout}"
 
 [up]
@@ -198,6 +207,71 @@ def _stalled_for(trainer_log: Path) -> float | None:
     return None if last is None else time.time() - last
 
 
+class VersionArchive:
+    """Hard-links every weight version `rlbus up` writes (file transport, in its run folder) into
+    `dest` before weight-broadcast retires it, so each version can be evaluated after the run.
+
+    A link costs no copy and no CPU worth measuring, and it happens in this driver process, not
+    in the pipeline whose clock is being read.
+    """
+
+    def __init__(self, run_dir: Path, dest: Path) -> None:
+        self.src = run_dir / "weights" / "policy"
+        self.dest = dest
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        self.dest.mkdir(parents=True, exist_ok=True)
+        while not self.stop.is_set():
+            self.sweep()
+            self.stop.wait(0.1)
+        self.sweep()
+
+    def sweep(self) -> None:
+        for f in self.src.glob("v*/model.safetensors") if self.src.exists() else []:
+            target = self.dest / f"{f.parent.name}.safetensors"
+            if not target.exists():
+                try:
+                    os.link(f, target)
+                except FileNotFoundError:
+                    pass  # retired between the glob and the link; the next one will not be
+
+    def versions(self) -> dict[int, Path]:
+        return {int(p.stem.removeprefix("v")): p for p in sorted(self.dest.glob("v*.safetensors"))}
+
+
+def posthoc_curve(model: Path, archive: dict[int, Path], produced_at: dict[int, float], budget: float,
+                  stop_at: float) -> list[dict[str, Any]]:
+    """Greedy held-out accuracy of every EVAL_EVERY-th archived version, with TRL's own evaluation
+    function, placed at the time the trainer produced that version (seconds since services up).
+    Stops after two consecutive evaluations at or above `stop_at` (TRL stops at its first)."""
+    import safetensors.torch
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from bench.trl_grpo import _tokenizer_with_bos, greedy_heldout_accuracy
+    from services.tasks.addition import make_split
+
+    torch.set_num_threads(1)  # as TRL's in-process evaluation
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    tokenizer = _tokenizer_with_bos(str(model))
+    heldout = make_split("heldout", EVAL_TASKS, EVAL_SEED)
+    curve: list[dict[str, Any]] = [{"t": 0.0, "acc": greedy_heldout_accuracy(policy, tokenizer, heldout), "version": 0}]
+    above = 0
+    for v in sorted(archive):
+        t = produced_at.get(v)
+        if v % EVAL_EVERY or t is None or t > budget:
+            continue
+        policy.load_state_dict(safetensors.torch.load_file(str(archive[v])))
+        acc = greedy_heldout_accuracy(policy, tokenizer, heldout)
+        curve.append({"t": round(t, 3), "acc": acc, "version": v})
+        above = above + 1 if acc >= stop_at else 0
+        if above >= 2:
+            break
+    return curve
+
+
 def _read_metrics(path: Path) -> list[dict[str, Any]]:
     rows = []
     if path.exists():
@@ -209,12 +283,21 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_rlbus(model: Path, budget: float, work: Path) -> dict[str, Any]:
+def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str) -> dict[str, Any]:
     run_dir = work / "rlbus-run"
     heldout = work / "heldout-greedy.jsonl"
     write_greedy_heldout(heldout)
     cfg = work / "rlbus.toml"
-    cfg.write_text(rlbus_config(model.resolve(), heldout.resolve()))
+    if eval_mode == "posthoc":
+        # Evaluation off the clock, as TRL's: the pipeline only evaluates now and then (to stop at
+        # the target), and every version is kept for evaluation after the run.
+        text = rlbus_config(model.resolve(), heldout.resolve(), eval_every=POSTHOC_LIVE_EVAL_EVERY, keep_versions=20)
+    else:
+        text = rlbus_config(model.resolve(), heldout.resolve(), eval_every=EVAL_EVERY, keep_versions=3)
+    cfg.write_text(text)
+    archive = VersionArchive(run_dir, work / "versions")
+    if eval_mode == "posthoc":
+        archive.thread.start()
     cmd = [sys.executable, "-m", "services.cli", "up", str(cfg), "--run-dir", str(run_dir), "--no-view"]
     log(f"rlbus: {' '.join(cmd)}")
     launched = time.time()
@@ -226,8 +309,9 @@ def run_rlbus(model: Path, budget: float, work: Path) -> dict[str, Any]:
     def pump() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
-            # `rlbus up` prints this line, then builds its Monitor (t = 0 of metrics.jsonl).
-            if not monitor_t0 and "training tasks published" in line:
+            # `rlbus up` prints this line once its services are launched, then starts watching
+            # (t = 0 of metrics.jsonl).
+            if not monitor_t0 and line.startswith("rlbus up: run folder"):
                 monitor_t0.append(time.time())
             out_log.write(line)
             out_log.flush()
@@ -271,6 +355,9 @@ def run_rlbus(model: Path, budget: float, work: Path) -> dict[str, Any]:
             break
     reader.join(timeout=10)
     out_log.close()
+    archive.stop.set()
+    if archive.thread.is_alive():
+        archive.thread.join(timeout=10)
     if proc.returncode not in (0, -signal.SIGTERM, 143) and stop_why.startswith("held-out"):
         stop_why = f"rlbus up exited with {proc.returncode}"
     if not monitor_t0:
@@ -278,7 +365,8 @@ def run_rlbus(model: Path, budget: float, work: Path) -> dict[str, Any]:
         raise RuntimeError(f"`rlbus up` never started watching ({proc.returncode}):\n" + "\n".join(tail))
     # Kept so --reparse can rebuild the result from the work dir without rerunning.
     (work / "rlbus-clock.json").write_text(json.dumps(
-        {"launched": launched, "monitor_t0": monitor_t0[0], "stopped": stop_why, "exit_code": proc.returncode}))
+        {"launched": launched, "monitor_t0": monitor_t0[0], "stopped": stop_why, "exit_code": proc.returncode,
+         "eval_mode": eval_mode}))
     return parse_rlbus(model, budget, work)
 
 
@@ -306,12 +394,21 @@ def parse_rlbus(model: Path, budget: float, work: Path) -> dict[str, Any]:
             known.append({"t": point["t_known"], "acc": point["acc"]})
     last_step = max(step_ts) if step_ts else 0
     train_s = (step_ts[last_step] - ready_at) if last_step else None
+    eval_mode = clock.get("eval_mode", "inline")
+    inline = curve
+    if eval_mode == "posthoc":
+        versions = VersionArchive(run_dir, work / "versions").versions()
+        log(f"rlbus: evaluating {len(versions) // EVAL_EVERY} of {len(versions)} archived versions after the run")
+        curve = posthoc_curve(model, versions, {v: ts - ready_at for v, ts in step_ts.items()}, budget,
+                              max(THRESHOLDS))
     return {
         "system": "rlbus",
         "model": str(model),
+        "eval_mode": eval_mode,
         "t_to_0.8": first_time_at(curve, 0.8),
         "t_to_0.9": first_time_at(curve, 0.9),
         "known_at": {f"t_to_{th}": first_time_at(sorted(known, key=lambda p: p["t"]), th) for th in THRESHOLDS},
+        "inline_t_to": {f"t_to_{th}": first_time_at(inline, th) for th in THRESHOLDS},
         "steps": last_step,
         "s_per_step": round(train_s / last_step, 4) if last_step and train_s else None,
         "train_seconds": round(train_s, 3) if train_s is not None else None,
@@ -330,9 +427,13 @@ def parse_rlbus(model: Path, budget: float, work: Path) -> dict[str, Any]:
         "exit_code": clock["exit_code"],
         "run_dir": str(run_dir),
         "clock": ("seconds since all services were up (latest *_ready log event); each eval point at the time the "
-                  "trainer produced the evaluated version; evaluation runs concurrently in the pipeline and is "
-                  "not subtracted"),
+                  "trainer produced the evaluated version; "
+                  + ("every 2nd version evaluated after the run with TRL's evaluation function (evaluation off the "
+                     "clock, as TRL's); the pipeline evaluated only every "
+                     f"{POSTHOC_LIVE_EVAL_EVERY} versions, to stop at the target" if eval_mode == "posthoc" else
+                     "evaluation runs concurrently in the pipeline every 2 versions and is not subtracted")),
         "curve": curve,
+        "inline_curve": inline,
     }
 
 
@@ -359,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["trl", "rlbus"], default=None, help="run one system only")
     p.add_argument("--work-dir", default=None, help="where logs and the rlbus run folder go (default: a temp dir)")
     p.add_argument("--out", default=None, help="also write the JSON here")
+    p.add_argument("--rlbus-eval", choices=["posthoc", "inline"], default="posthoc",
+                   help="posthoc (default): evaluate rlbus's versions after the run, off its clock like TRL's; "
+                        "inline: evaluate every 2 versions inside the running pipeline, on its clock")
     p.add_argument("--reparse", action="store_true",
                    help="rebuild the JSON from an earlier --work-dir (trl.json, rlbus-run/) without running anything")
     args = p.parse_args(argv)
@@ -397,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.reparse:
             res = parse_rlbus(model, budget, work)
         else:
-            res = run_trl(model, budget, work) if name == "trl" else run_rlbus(model, budget, work)
+            res = run_trl(model, budget, work) if name == "trl" else run_rlbus(model, budget, work, args.rlbus_eval)
         if not args.reparse:
             result["machine"][f"loadavg_after_{name}"] = [round(x, 2) for x in os.getloadavg()]
         res["t_to_aux"] = {str(th): first_time_at(res["curve"], th) for th in AUX_THRESHOLDS}
@@ -419,8 +523,9 @@ def main(argv: list[str] | None = None) -> int:
             str(th): _ratio(result["trl"][f"t_to_{th}"], result["rlbus"]["known_at"][f"t_to_{th}"])
             for th in THRESHOLDS}
     result["notes"] = [
-        "TRL clock excludes its held-out evaluation (run between steps); rlbus evaluates concurrently in its pipeline "
-        "and that cost is on its clock.",
+        "TRL's clock excludes its held-out evaluation (run between steps). rlbus with --rlbus-eval posthoc (default): "
+        "versions are evaluated after the run with the same function, so evaluation is off both clocks; with "
+        "--rlbus-eval inline rlbus evaluates every 2 versions inside its pipeline and that cost is on its clock.",
         "rlbus drops zero-variance groups and trains on 32 informative groups per step (more sampling per step); "
         "TRL trains on 32 groups whatever their variance (zero-variance groups get advantage 0).",
         "rlbus is asynchronous (max_staleness 2, truncated IS); TRL is on-policy (1 generation per step).",
