@@ -29,6 +29,7 @@ def _token(kind: str, value: str) -> str:
 
 # Stream names are global on a server, so they carry the run too.
 STREAM_KINDS = ("TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "CONTROL", "METRICS", "DEAD")
+ENV_OPS = ("reset", "reset_batch", "step")
 
 
 @dataclass(frozen=True)
@@ -86,15 +87,15 @@ class Subjects:
         return f"{self.root}.dead.{_token('origin', origin)}"
 
     def env(self, name: str, op: str) -> str:
-        if op not in ("reset", "step"):
-            raise SubjectError(f"environment op {op!r} must be 'reset' or 'step'")
+        if op not in ENV_OPS:
+            raise SubjectError(f"environment op {op!r} must be one of {', '.join(ENV_OPS)}")
         return f"{self.root}.env.{_token('env', name)}.{op}"
 
     def env_any(self, op: str) -> str:
         """Every environment's ``op`` subject: the environment service answers unknown names too,
         with an error that lists the registered ones."""
-        if op not in ("reset", "step"):
-            raise SubjectError(f"environment op {op!r} must be 'reset' or 'step'")
+        if op not in ENV_OPS:
+            raise SubjectError(f"environment op {op!r} must be one of {', '.join(ENV_OPS)}")
         return f"{self.root}.env.*.{op}"
 
     # --- wildcards used by stream declarations and fan-in consumers ---------------

@@ -2,7 +2,7 @@
 
 from schemas.base import ArraySpec, Message, SchemaError
 from schemas.control import Control, DeadLetter, Heartbeat
-from schemas.env import EnvReply, EnvReset, EnvStep
+from schemas.env import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep
 from schemas.rollout import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, spans_from_versions
 from schemas.task import SamplingParams, Task
 from schemas.weights import Shard, TensorMeta, WeightManifest
@@ -10,6 +10,7 @@ from schemas.weights import Shard, TensorMeta, WeightManifest
 ALL_MESSAGES: tuple[type[Message], ...] = (
     SamplingParams, Task, Rollout, RolloutGroup, ScoredRollout, ScoredGroup, TensorMeta, Shard,
     WeightManifest, Control, Heartbeat, DeadLetter, EnvReset, EnvStep, EnvReply,
+    EnvResetBatch, EnvReplyBatch,
 )
 
 __all__ = [m.__name__ for m in ALL_MESSAGES] + ["ArraySpec", "Message", "SchemaError", "spans_from_versions"]

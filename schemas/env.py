@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.base import ArraySpec, Message, array_field
+from schemas.base import ArraySpec, Message, array_field, invalid
 from schemas.task import Task
 
 I32 = array_field(ArraySpec("<i4"))
@@ -39,3 +39,25 @@ class EnvReply(Message):
     done: bool = False
     error: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EnvResetBatch(Message):
+    """The resets of a generator's whole batch in one round trip (single-turn tasks need one
+    reset each; a request per task would cost a bus round trip per sample group)."""
+
+    KIND = "env_reset_batch"
+    tasks: list[Task]
+
+    def validate(self) -> None:
+        if not self.tasks:
+            raise invalid(self, "tasks", "a batch needs at least one task")
+
+
+@dataclass(frozen=True)
+class EnvReplyBatch(Message):
+    """One EnvReply per task of an EnvResetBatch, in its order; an item's error refuses only that task."""
+
+    KIND = "env_reply_batch"
+    replies: list[EnvReply]
+    error: str = ""  # the whole request was unreadable (then ``replies`` is empty)

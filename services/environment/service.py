@@ -1,8 +1,9 @@
 """environment service — request/reply environments for generators.
 
-consumes:  rl.<run>.env.<name>.reset  (EnvReset)  core request/reply, queue group 'environment'
-           rl.<run>.env.<name>.step   (EnvStep)
-produces:  EnvReply to the requester (observation tokens, done, error)
+consumes:  rl.<run>.env.<name>.reset        (EnvReset)       core request/reply, queue group 'environment'
+           rl.<run>.env.<name>.reset_batch  (EnvResetBatch)  a generator batch's resets in one round trip
+           rl.<run>.env.<name>.step         (EnvStep)
+produces:  EnvReply (EnvReplyBatch for a batch) to the requester (observation tokens, done, error)
 waits for: nothing; stateless per request, so replicas scale by queue group
 An unknown environment name or a bad task gets an EnvReply with ``error`` set (the generator
 dead-letters the task with that reason); the service never dies on bad input.
@@ -13,7 +14,7 @@ from __future__ import annotations
 from bus.protocol import Bus
 from bus.subjects import Subjects
 from observability.logging import get_logger
-from schemas import EnvReply, EnvReset, EnvStep, SchemaError
+from schemas import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep, SchemaError
 from services.environment.envs import ENVIRONMENTS, EnvError, Environment
 from services.environment.settings import EnvironmentSettings
 from services.runtime.config import RunSettings
@@ -54,6 +55,17 @@ class EnvironmentServer:
 
         return self._answer(go).encode()
 
+    async def handle_reset_batch(self, data: bytes) -> bytes:
+        try:
+            req = EnvResetBatch.decode(data)
+        except SchemaError as exc:
+            self.errors += 1
+            log.warning("env_request_rejected", error=str(exc))
+            return EnvReplyBatch(replies=[], error=str(exc)).encode()
+        # Each task is answered on its own: one unknown environment refuses that task only.
+        replies = [self._answer(lambda t=t: self.env(t.env).reset(t, t.task_id)) for t in req.tasks]
+        return EnvReplyBatch(replies=replies).encode()
+
     async def handle_step(self, data: bytes) -> bytes:
         def go() -> EnvReply:
             req = EnvStep.decode(data)
@@ -68,6 +80,7 @@ async def run(run_cfg: RunSettings, cfg: EnvironmentSettings, *, bus: Bus, life:
     beat = Beat(bus, subjects, "environment", cfg.instance)
     beat.extra = lambda: {"environment/served": server.served, "environment/errors": server.errors}
     await bus.serve(subjects.env_any("reset"), server.handle_reset, queue=subjects.env_queue_group)
+    await bus.serve(subjects.env_any("reset_batch"), server.handle_reset_batch, queue=subjects.env_queue_group)
     await bus.serve(subjects.env_any("step"), server.handle_step, queue=subjects.env_queue_group)
     beat.state = "running"
     log.info("environment_ready", envs=ENVIRONMENTS.names())

@@ -6,7 +6,8 @@ consumes:  rl.<run>.tasks.<pool>          (Task)            durable 'generator_<
              'admit' cumulative grant for this boot (the newest holds) + freshness floor; 'assign_pools' pools in priority
              order and the share of starts per pool; 'concurrency' most groups per batch;
              'pause' / 'resume' / 'drain' (finish what it holds, start nothing more, drop its grant)
-calls:     rl.<run>.env.<name>.reset (EnvReset -> EnvReply: prompt tokens, or an error)
+calls:     rl.<run>.env.<name>.reset_batch (EnvResetBatch -> EnvReplyBatch: per task prompt tokens, or an
+             error), one request per environment name in a batch
 produces:  rl.<run>.rollouts.<pool>       (RolloutGroup)    msg id 'rollouts.<task_id>'
 waits for: admission (grant_total > groups started) for training pools; eval tasks are not admitted
 A task is acked only after its group is published (a crash redelivers it; the msg id dedupes the
@@ -35,7 +36,8 @@ from observability.logging import get_logger
 from schemas import (
     Control,
     EnvReply,
-    EnvReset,
+    EnvReplyBatch,
+    EnvResetBatch,
     Rollout,
     RolloutGroup,
     SchemaError,
@@ -48,7 +50,7 @@ from services.generator.settings import GeneratorSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.weights import WeightIntegrityError, make_transport
+from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
 
 log = get_logger()
 
@@ -250,12 +252,20 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
     subjects = Subjects(run_cfg.run)
     backend: Backend = await asyncio.to_thread(
         BACKENDS.create, cfg.backend, model_path=run_cfg.model_path, dtype=cfg.dtype, deterministic=cfg.deterministic,
-        slowdown=cfg.slowdown, vllm=cfg.vllm)
+        slowdown=cfg.slowdown, vllm=cfg.vllm, mid_sequence_swap=cfg.mid_sequence_swap)
     train_pools = [p for p in (cfg.pools or run_cfg.pools) if p != run_cfg.eval_pool]
     eval_pools = [run_cfg.eval_pool] if not cfg.pools or run_cfg.eval_pool in cfg.pools else []
     gen = Generator(backend, cfg, train_pools)
     slowdown = SlowdownFile(cfg.slowdown_file)
-    transport = make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir)
+    # A version is read through the transport its manifest names (the trainer and weight-broadcast
+    # agree on it), so generators need no setting of their own that could disagree.
+    transports: dict[str, WeightTransport] = {}
+
+    def transport_for(kind: str) -> WeightTransport:
+        if kind not in transports:
+            transports[kind] = make_transport(kind, bus=bus, root=run_cfg.run_dir)
+        return transports[kind]
+
     beat = Beat(bus, subjects, "generator", cfg.instance, period=0.5)
     beat.info = gen.info()
     beat.version = backend.version  # the controller holds admission for generators on old weights: say which
@@ -278,7 +288,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 if manifest.version <= backend.version:
                     continue
                 t0 = time.perf_counter()
-                data = await transport.read(manifest.shards[0])
+                data = await transport_for(manifest.transport).read(manifest.shards[0])
                 await asyncio.to_thread(backend.stage, manifest.version, data)
                 beat.metrics["generator/weight_fetch_s"] = time.perf_counter() - t0
                 log.info("weights_staged", version=manifest.version, fetch_s=round(time.perf_counter() - t0, 4))
@@ -307,20 +317,39 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             tg.create_task(one(subjects.control_actions("generator", cfg.instance)))
             tg.create_task(one(subjects.control_actions("generator", "all")))
 
-    async def prompt_of(d: Delivery[Task]) -> list[int] | None:
-        task = d.msg
-        try:
-            raw = await bus.request(subjects.env(task.env, "reset"), EnvReset(task=task).encode(), timeout=cfg.env_timeout)
-            reply = EnvReply.decode(raw)
-        except (BusError, SchemaError) as exc:
-            await d.nak(delay=2.0)  # environment service down or restarting: try again later
-            log.warning("env_unavailable", task=task.task_id, env=task.env, error=str(exc))
-            return None
-        if reply.error:
-            gen.dead += 1
-            await d.term(f"environment refused task {task.task_id!r}: {reply.error}")
-            return None
-        return [int(i) for i in reply.observation_ids]
+    async def prompts_of(batch: list[Delivery[Task]]) -> list[list[int] | None]:
+        """Prompt ids of every task, one environment round trip per environment name in the batch;
+        None where the task was handed back (environment unavailable) or refused (dead-lettered)."""
+        out: list[list[int] | None] = [None] * len(batch)
+        by_env: dict[str, list[int]] = {}
+        for i, d in enumerate(batch):
+            by_env.setdefault(d.msg.env, []).append(i)
+
+        async def reset(env: str, idx: list[int]) -> None:
+            replies: list[EnvReply] = []
+            try:
+                raw = await bus.request(subjects.env(env, "reset_batch"),
+                                        EnvResetBatch(tasks=[batch[i].msg for i in idx]).encode(), timeout=cfg.env_timeout)
+                reply = EnvReplyBatch.decode(raw)
+                replies = reply.replies
+                problem = reply.error or ("" if len(replies) == len(idx) else
+                                          f"{len(replies)} replies for {len(idx)} resets")
+            except (BusError, SchemaError) as exc:
+                problem = str(exc)
+            if problem:
+                for i in idx:
+                    await batch[i].nak(delay=2.0)  # environment service down or restarting: try again later
+                log.warning("env_unavailable", tasks=len(idx), env=env, error=problem)
+                return
+            for i, r in zip(idx, replies, strict=True):
+                if r.error:
+                    gen.dead += 1
+                    await batch[i].term(f"environment refused task {batch[i].msg.task_id!r}: {r.error}")
+                else:
+                    out[i] = [int(t) for t in r.observation_ids]
+
+        await asyncio.gather(*(reset(env, idx) for env, idx in by_env.items()))
+        return out
 
     def train_puller(pool: str):  # type: ignore[no-untyped-def]
         if pool not in train_pullers:  # a pool routed here later: its durable is shared with the other replicas
@@ -380,8 +409,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             gen.in_flight = len(deliveries)
             batch, kept = [], []
             t_env = time.perf_counter()
-            # Environment resets of a batch run concurrently (one round trip, not one per task).
-            prompts = await asyncio.gather(*(prompt_of(d) for d, _ in deliveries))
+            prompts = await prompts_of([d for d, _ in deliveries])
             t_sample = time.perf_counter()
             for (d, is_eval), prompt in zip(deliveries, prompts, strict=True):
                 if prompt is None:

@@ -26,7 +26,10 @@ class GeneratorSettings(Settings):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Sampling precision (bfloat16 injects a known mismatch).")
     deterministic: bool = Field(False, description="Batch-invariant logprobs, bit-identical to the trainer's.")
     admission: bool = Field(True, description="Start groups only within the controller's grant (bounded staleness).")
-    transport: Literal["objstore", "file"] = Field("objstore", description="Weight transport (must match the broadcast's).")
+    mid_sequence_swap: Literal["next_step", "when_cheaper"] = Field(
+        "when_cheaper", description="torch backend: when new weights arrive mid-batch, 'next_step' swaps at the next "
+        "decode step (rebuilding in-flight rows' KV under the new weights); 'when_cheaper' does so only while the "
+        "tokens left to decode outnumber the prefix to rebuild, else the batch finishes on its weights.")
     seed: int = Field(0, description="Sampling seed (combined with the instance name).")
     env_timeout: float = Field(10.0, gt=0, description="Seconds to wait for an environment reply.")
     slowdown: float = Field(1.0, ge=1.0, description="Testing aid: multiply sampling time (simulates a slow accelerator).")

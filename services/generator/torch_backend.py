@@ -10,7 +10,7 @@ import torch
 
 from services.generator.backend import SampleMeter
 from services.policy.load import load_policy, load_state_from_safetensors, read_weights
-from services.policy.sampler import GroupSampler
+from services.policy.sampler import GroupSampler, MidSequenceSwap
 from services.policy.sampling import SamplingParams
 
 
@@ -47,11 +47,11 @@ class WeightSlot:
 
 class TorchBackend(SampleMeter):
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
-                 slowdown: float = 1.0, **_: Any) -> None:
+                 slowdown: float = 1.0, mid_sequence_swap: MidSequenceSwap = "when_cheaper", **_: Any) -> None:
         model, tokenizer = load_policy(model_path, dtype=dtype, attn="eager" if deterministic else "sdpa")  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.slot = WeightSlot(model, version)
-        self.sampler = GroupSampler(self.slot, deterministic=deterministic)
+        self.sampler = GroupSampler(self.slot, deterministic=deterministic, mid_sequence_swap=mid_sequence_swap)
         SampleMeter.__init__(self, slowdown)
 
     @property

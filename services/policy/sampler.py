@@ -14,7 +14,11 @@ Weight swaps: between decode steps the sampler calls `slot.maybe_swap()`. When i
 True the cache is rebuilt by one forward of every row's full prefix under the new weights,
 so each later token is sampled from exactly the new policy given its prefix (unlike keeping
 old-weight KV, whose log-probs would match neither version). Every token records the version
-whose forward produced its distribution.
+whose forward produced its distribution. That rebuild costs a forward of the whole prefix, so
+with `mid_sequence_swap="when_cheaper"` the sampler only swaps mid-sequence while the tokens
+still to decode outnumber the prefix to recompute: short completions then finish on the weights
+they started with (their tokens say so) and the next call starts on the new ones, while long
+generations still move to new weights within the sequence.
 
 Deterministic mode: after sampling, behaviour log-probs are recomputed with
 `completion_logprobs(..., deterministic=True)` — the trainer's own batch-invariant function —
@@ -41,6 +45,7 @@ from services.policy.sampling import SamplingParams, processed_logprobs
 
 FinishReason = Literal["stop", "length"]
 LogprobSource = Literal["incremental", "recomputed"]
+MidSequenceSwap = Literal["next_step", "when_cheaper"]
 
 
 class SamplerInputError(PolicyError):
@@ -122,9 +127,14 @@ def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | Non
 class GroupSampler:
     """Samples groups of completions through a `ModelSlot` (see the module docstring)."""
 
-    def __init__(self, model_slot: ModelSlot, *, deterministic: bool = False) -> None:
+    def __init__(self, model_slot: ModelSlot, *, deterministic: bool = False,
+                 mid_sequence_swap: MidSequenceSwap = "next_step") -> None:
         self.slot = model_slot
         self.deterministic = deterministic
+        self.mid_sequence_swap = mid_sequence_swap
+
+    def _swap_worthwhile(self, prefix_len: int, remaining: int) -> bool:
+        return self.mid_sequence_swap == "next_step" or remaining >= prefix_len
 
     def sample_groups(
         self,
@@ -223,7 +233,7 @@ class GroupSampler:
                 break
             if mask is not None:
                 mask = torch.cat([mask, new_column], dim=1)  # now covers `tok`
-            if self.slot.maybe_swap():
+            if self._swap_worthwhile(width + step + 1, params.max_new_tokens - step - 1) and self.slot.maybe_swap():
                 model, version = self.slot.model, self.slot.version
                 # Old-weight KV would give log-probs of neither version: rebuild the cache
                 # under the new weights from every row's full prefix.

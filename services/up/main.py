@@ -103,6 +103,10 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     tables["controller"].setdefault("eval_tasks", str(heldout) if up_cfg.eval_tasks else "")
     tables["trainer"].setdefault("max_steps", up_cfg.max_steps)
     tables["generator"].setdefault("backend", up_cfg.backend)
+    # Every service of `rlbus up` shares this run folder: weights go through it (memory-mapped)
+    # instead of being chunked through the object store and read back twice per version.
+    for section in ("trainer", "broadcast"):
+        tables[section].setdefault("transport", "file")
     if backend:  # an explicit --backend wins over the config file's [generator] backend
         tables["generator"]["backend"] = backend
     resolved = folder / "config.toml"

@@ -25,7 +25,7 @@ FROZEN_KEYS: dict[type[Settings], list[str]] = {
     RunSettings: ["run", "nats_url", "model_name", "model_path", "pools", "eval_pool", "group_size", "batch_groups",
                   "max_staleness", "run_dir"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "threads", "dtype", "deterministic",
-                        "admission", "transport", "seed", "env_timeout", "slowdown", "slowdown_file", "vllm"],
+                        "admission", "mid_sequence_swap", "seed", "env_timeout", "slowdown", "slowdown_file", "vllm"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
                       "clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
                       "kl_coef", "aggregation", "normalize_std", "baseline", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",

@@ -21,7 +21,9 @@ from bus.protocol import Poison, RequestFailed
 from schemas import (
     DeadLetter,
     EnvReply,
+    EnvReplyBatch,
     EnvReset,
+    EnvResetBatch,
     Rollout,
     RolloutGroup,
     ScoredGroup,
@@ -218,6 +220,18 @@ async def test_reset_of_a_prompt_that_tokenises_to_nothing_is_an_error_reply(cod
     t = task(env="single_turn", prompt="", prompt_ids=np.array([codec.bos_id], dtype="<i4"))
     reply = EnvReply.decode(await EnvironmentServer(codec).handle_reset(reset_bytes(t)))
     assert "empty prompt after tokenisation" in reply.error
+
+
+async def test_batch_reset_answers_each_task_on_its_own(codec):
+    server = EnvironmentServer(codec)
+    req = EnvResetBatch(tasks=[task(), task(env="chess"), task("add-1-2", prompt="1+2=", answer="3")]).encode()
+    replies = EnvReplyBatch.decode(await server.handle_reset_batch(req)).replies
+    assert [r.error == "" for r in replies] == [True, False, True]
+    assert "unknown environment 'chess'" in replies[1].error  # refuses that task only
+    assert codec.decode(replies[2].observation_ids.tolist()) == "1+2="
+    assert (server.served, server.errors) == (2, 1)
+    garbage = EnvReplyBatch.decode(await server.handle_reset_batch(b"\x00\x01"))
+    assert garbage.replies == [] and "env_reset_batch" in garbage.error and "msgpack" in garbage.error
 
 
 async def test_reset_of_garbage_is_an_error_reply(codec):

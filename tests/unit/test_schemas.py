@@ -23,7 +23,9 @@ from schemas import (
     Control,
     DeadLetter,
     EnvReply,
+    EnvReplyBatch,
     EnvReset,
+    EnvResetBatch,
     EnvStep,
     Heartbeat,
     Message,
@@ -115,6 +117,10 @@ SAMPLES: dict[type[Message], object] = {
                              action_text="579"),
     EnvReply: lambda: EnvReply(episode_id="add-123-456", observation_ids=np.array([1, 5, 6, 7], dtype="<i4"),
                                observation_text="123+", done=False, error="", info={"turn": 1}),
+    EnvResetBatch: lambda: EnvResetBatch(tasks=[task(), task()]),
+    EnvReplyBatch: lambda: EnvReplyBatch(replies=[
+        EnvReply(episode_id="add-123-456", observation_ids=np.array([1, 5, 6, 7], dtype="<i4")),
+        EnvReply(episode_id="", error="unknown environment 'chess'")]),
 }
 
 
