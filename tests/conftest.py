@@ -1,4 +1,5 @@
-"""Shared fixtures: one real nats-server per test session, a fresh bus per test.
+"""Shared fixtures: one real nats-server per test session, a fresh bus per test, and the
+warm-started tiny policy, built once per session.
 
 The server is started from the venv's ``nats-server`` on a random loopback port in a temp dir and
 stopped by its own pid at the end of the session (never by name).  Each test gets a
@@ -7,14 +8,52 @@ stopped by its own pid at the end of the session (never by name).  Each test get
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 from collections.abc import AsyncIterator, Iterator
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 _runs = itertools.count()
+ROOT = Path(__file__).resolve().parents[1]
+CACHE = ROOT / "tests" / ".cache"
+# What the warm-started model is a function of (besides its seed): the code that builds and
+# evaluates it, and the numerics underneath.
+MODEL_SOURCES = ("services/policy/model_init.py", "services/policy/sampler.py", "services/policy/sampling.py",
+                 "services/policy/tokenizer.py", "services/tasks/addition.py")
+
+
+def _model_key() -> str:
+    h = hashlib.sha256()
+    for rel in MODEL_SOURCES:
+        h.update((ROOT / rel).read_bytes())
+    for dist in ("torch", "transformers"):
+        h.update(metadata.version(dist).encode())
+    return h.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The policy `rlbus init-model --seed 0` builds: a full warm start, about 90 s on one thread.
+
+    Cached under tests/.cache, keyed by the code it is built with, so a cached folder is the model
+    a fresh build gives (the build is deterministic under its seed); CI (a fresh clone) builds it
+    once per run.
+    """
+    out = CACHE / f"tiny-addition-seed0-{_model_key()}"
+    if not (out / "config.json").exists():
+        import torch
+
+        from services.policy.model_init import init_model
+
+        torch.set_num_threads(1)
+        init_model(out, seed=0, overwrite=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return out
 
 
 @pytest.fixture(scope="session")

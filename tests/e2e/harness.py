@@ -19,6 +19,8 @@ from services.up.monitor import load_metrics
 from services.up.procs import Child, Children
 from services.up.tomlw import dumps
 
+SERVICES = ("environment", "reward", "broadcast", "controller", "trainer")  # all but the generators
+
 
 class Pipeline:
     def __init__(self, root: Path, tables: dict[str, dict[str, Any]]) -> None:
@@ -40,6 +42,31 @@ class Pipeline:
         child = self.children.start(name, service, self.config, env={"OMP_NUM_THREADS": "1", **(env or {})})
         self.by_name[name] = child
         return child
+
+    def start_all(self, generators: int, *, slowdown: float | None = None,
+                  env: dict[str, dict[str, str]] | None = None) -> None:
+        """Every service of the run, then generators gen-0 … gen-<n-1>; ``env`` adds variables by
+        process name, ``slowdown`` gives every generator a slowdown file (see ``set_slowdown``)."""
+        env = env or {}
+        for name in SERVICES:
+            self.start(name, name, env=env.get(name))
+        for i in range(generators):
+            self.start_generator(f"gen-{i}", slowdown=slowdown, env=env.get(f"gen-{i}"))
+
+    def start_generator(self, instance: str, *, slowdown: float | None = None,
+                        env: dict[str, str] | None = None) -> Child:
+        gen_env = {"RLBUS_GENERATOR__INSTANCE": f'"{instance}"'}
+        if slowdown is not None:
+            self.set_slowdown(instance, slowdown)
+            gen_env["RLBUS_GENERATOR__SLOWDOWN_FILE"] = f'"{self.slowdown_file(instance)}"'
+        return self.start(instance, "generator", env={**gen_env, **(env or {})})
+
+    def slowdown_file(self, instance: str) -> Path:
+        return self.root / f"slowdown-{instance}"
+
+    def set_slowdown(self, instance: str, factor: float) -> None:
+        """The generator's sampling-time multiplier, applied from its next batch on."""
+        self.slowdown_file(instance).write_text(str(factor))
 
     def kill9(self, name: str) -> None:
         child = self.by_name[name]

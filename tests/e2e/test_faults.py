@@ -37,9 +37,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
     p = Pipeline(tmp_path, _tables(str(tiny_model)))
     p.start_server()
     try:
-        for name in ("environment", "reward", "broadcast", "controller", "trainer"):
-            p.start(name, name)
-        p.start("gen-0", "generator", env={"RLBUS_GENERATOR__INSTANCE": '"gen-0"'})
+        p.start_all(1)
         bus = await p.bus()
         s = p.subjects
         # --- bad inputs first (work queues are FIFO): each must end in DEAD with its reason ---
@@ -68,7 +66,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
         await wait_heartbeat(bus, lambda h: h.service == "broadcast" and h.version >= 3, timeout=240)
         # --- a second generator joins mid-run and serves the latest version -------------------
         latest = WeightManifest.decode(await bus.last(s.weights("policy"))).version
-        p.start("gen-1", "generator", env={"RLBUS_GENERATOR__INSTANCE": '"gen-1"'})
+        p.start_generator("gen-1")
         joined = await wait_heartbeat(bus, lambda h: h.instance == "gen-1" and h.version >= latest, timeout=120)
         assert joined.version >= latest >= 3
 

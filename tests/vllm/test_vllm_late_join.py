@@ -13,6 +13,7 @@ from tests.e2e.harness import Pipeline, wait_heartbeat
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.integration]
 
 N_TASKS = 2000
+JOIN_SLOWDOWN = 20.0
 
 
 async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_model, tmp_path):
@@ -29,9 +30,12 @@ async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_m
     p = Pipeline(tmp_path, tables)
     p.start_server()
     try:
-        for name in ("environment", "reward", "broadcast", "controller", "trainer"):
-            p.start(name, name)
-        p.start("gen-0", "generator", env={"RLBUS_GENERATOR__INSTANCE": '"gen-0"'})
+        p.start_all(1, slowdown=1.0)
+        # The vLLM engine start (two spawned processes that import vLLM: about a minute on a small
+        # CPU) overlaps the pipeline's own start: gen-vllm's process starts now, and it joins the run
+        # (first heartbeat, weights watch, task consumer) only once its engine is up, long after the
+        # run has reached version 2 (checked below).
+        p.start_generator("gen-vllm", env={"RLBUS_GENERATOR__BACKEND": '"vllm"'})
         bus = await p.bus()
         s = p.subjects
         tasks = [Task(run="vllmjoin", task_id=t.task_id, pool="train", env="addition", prompt=t.prompt,
@@ -40,9 +44,13 @@ async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_m
         await wait_heartbeat(bus, lambda h: h.service == "broadcast" and h.version >= 2, timeout=240)
 
         latest = WeightManifest.decode(await bus.last(s.weights("policy"))).version
-        p.start("gen-vllm", "generator", env={"RLBUS_GENERATOR__INSTANCE": '"gen-vllm"',
-                                               "RLBUS_GENERATOR__BACKEND": '"vllm"'})
+        assert await bus.last(s.metrics("generator", "gen-vllm")) is None, (
+            "gen-vllm joined before the run reached version 2: nothing here tests a late join")
+        # The rest of the engine start competes with the running pipeline for cores: gen-0 keeps the
+        # run going, slowed, until gen-vllm joins, and then runs at full speed again.
+        p.set_slowdown("gen-0", JOIN_SLOWDOWN)
         joined = await wait_heartbeat(bus, lambda h: h.instance == "gen-vllm" and h.version >= latest, timeout=300)
+        p.set_slowdown("gen-0", 1.0)
         assert joined.info.get("backend") == "vllm"
         assert joined.version >= latest >= 2
         # It serves (publishes groups that the trainer consumes) and follows a newer version in place.
