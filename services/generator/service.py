@@ -21,6 +21,7 @@ batch: tasks already fetched are finished, never dropped.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 import uuid
@@ -389,10 +390,47 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             room -= len(batch)
         return got
 
+    async def pool_small_grant() -> None:
+        """A batch costs a prefill and max_new_tokens forwards whatever its size, and a grant that
+        opens a few groups at a time (top-ups for dropped groups) would otherwise be sampled as
+        many small batches. While the room is small, wait up to batch_wait_s for it to grow. Room
+        stays small only when this generator is ahead of the trainer, so the wait costs nothing;
+        a generator that is behind always finds a large room and never waits."""
+        want = min(cfg.min_batch_groups, gen.batch_cap)
+        if not 0 < gen.budget < want:
+            return
+        deadline = time.monotonic() + cfg.batch_wait_s
+        while 0 < gen.budget < want and not life.stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    async def settle_batch(items: list[tuple[str, bytes, str]], done: list[Delivery[Task]]) -> None:
+        """Publish a batch's groups, then ack its tasks, as one step a stop cannot split: a stop
+        between the two would leave groups on the bus whose tasks another generator redoes."""
+        async def publish_then_ack() -> None:
+            await bus.publish_many(items)
+            for d in done:
+                await d.ack()
+
+        settling = asyncio.create_task(publish_then_ack())
+        try:
+            await asyncio.shield(settling)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # unsettled tasks come back after ack_wait
+                await asyncio.wait_for(settling, timeout=life.grace)
+            raise
+
     async def work() -> None:
         while not life.stopping.is_set():
             slowdown.apply(backend)
             beat.state = gen.state
+            await pool_small_grant()
             deliveries = await gather()
             if not deliveries:
                 if await asyncio.to_thread(backend.apply_staged):
@@ -437,9 +475,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             # (EnvStep per turn, observations appended with loss_mask 0) plugs in here.
             for g, (d, _) in zip(groups, kept, strict=True):
                 items.append((subjects.rollouts(d.msg.pool), g.encode(), f"rollouts.{g.task.task_id}"))
-            await bus.publish_many(items)
-            for d, _ in kept:
-                await d.ack()
+            await settle_batch(items, [d for d, _ in kept])
             gen.note_published(sum(not e for _, e in kept), sum(e for _, e in kept),
                                Counter(d.msg.pool for d, e in kept if not e))
             t_done = time.perf_counter()

@@ -22,6 +22,9 @@ class GeneratorSettings(Settings):
     backend: Literal["torch", "vllm"] = Field("torch", description="Sampling engine behind the backend interface.")
     pools: list[str] = Field(default_factory=list, description="Pools to pull tasks from ([] = the run's train pools + eval pool).")
     max_batch_groups: int = Field(32, ge=1, le=1024, description="Most groups sampled together in one batch.")
+    min_batch_groups: int = Field(16, ge=1, le=1024, description="While the admission grant leaves room for fewer "
+                                  "groups than this, wait up to batch_wait_s for it to grow (fewer, fuller batches).")
+    batch_wait_s: float = Field(0.2, ge=0, description="Longest wait for a small grant to grow (0 = never wait).")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads (1 is fastest for small models on small machines).")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Sampling precision (bfloat16 injects a known mismatch).")
     deterministic: bool = Field(False, description="Batch-invariant logprobs, bit-identical to the trainer's.")

@@ -24,7 +24,7 @@ from services.up.settings import UpSettings
 FROZEN_KEYS: dict[type[Settings], list[str]] = {
     RunSettings: ["run", "nats_url", "model_name", "model_path", "pools", "eval_pool", "group_size", "batch_groups",
                   "max_staleness", "run_dir"],
-    GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "threads", "dtype", "deterministic",
+    GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "min_batch_groups", "batch_wait_s", "threads", "dtype", "deterministic",
                         "admission", "mid_sequence_swap", "seed", "env_timeout", "slowdown", "slowdown_file", "vllm"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
                       "clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
