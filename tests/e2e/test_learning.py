@@ -27,15 +27,15 @@ lr = 2e-4
 [up]
 train_tasks = 3000
 eval_tasks = 200
-max_steps = 60
+max_steps = 80
 
 [controller]
 eval_every = 20
 """, timeout=900)
     evals = [r for r in rows if r["kind"] == "eval"]
     train = [r for r in rows if r["kind"] == "train"]
-    assert len(train) >= 60
-    assert evals[0]["eval_round"] == 0 and evals[-1]["eval_round"] >= 60, evals
+    assert len(train) >= 80
+    assert evals[0]["eval_round"] == 0 and evals[-1]["eval_round"] >= 80, evals
     first, last = evals[0]["heldout/accuracy"], evals[-1]["heldout/accuracy"]
     assert last >= first + 0.15, f"held-out accuracy {first:.3f} -> {last:.3f}: no clear learning"
     early = sum(r["batch/reward_mean"] for r in train[:10]) / 10
