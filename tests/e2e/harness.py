@@ -78,6 +78,19 @@ class Pipeline:
         self.children.stop(10.0)
         self.server.stop()
 
+    def __enter__(self) -> Pipeline:
+        """``with Pipeline(...) as p``: the server is up inside; on the way out every process is
+        stopped by pid, and when the test failed the services' log tails are printed first."""
+        self.start_server()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        try:
+            if exc_type is not None:
+                print(self.logs())
+        finally:
+            self.stop()
+
     def logs(self) -> str:
         return "\n".join(f"--- {c.name}\n{c.tail(20)}" for c in self.children.children)
 

@@ -125,10 +125,8 @@ async def test_a_generator_slowed_then_sped_up(tiny_model, tmp_path):
     """Slowed: the controller takes back its queue and lowers its concurrency; sped up: it gets work
     and concurrency back.  Staleness stays within the bound throughout, and the trainer idles less once
     the recovered generator is used again than while it was slow."""
-    p = Pipeline(tmp_path, tables(tiny_model, "slowfast"))
-    p.start_server()
-    rec = Recorder()
-    try:
+    with Pipeline(tmp_path, tables(tiny_model, "slowfast")) as p:
+        rec = Recorder()
         p.start_all(2, slowdown=BASE_SLOWDOWN)
         bus = await p.bus()
         watcher = asyncio.create_task(rec.run(bus))
@@ -173,11 +171,6 @@ async def test_a_generator_slowed_then_sped_up(tiny_model, tmp_path):
         assert restored and restored[-1].params["max_groups"] == 8, [c.params for c in restored]
         # The trainer idles less once the recovered generator is used again.
         assert fast_idle < slow_idle and fast_steps > slow_steps, (slow_idle, fast_idle, slow_steps, fast_steps)
-    except BaseException:
-        print(p.logs())
-        raise
-    finally:
-        p.stop()
 
 
 def trained_share(ledger_before: dict[str, str], ledger_after: dict[str, str], pool: str) -> tuple[float, int]:
@@ -186,10 +179,8 @@ def trained_share(ledger_before: dict[str, str], ledger_after: dict[str, str], p
 
 
 async def test_a_new_target_mix_reroutes_generators_and_the_trained_mix_follows(tiny_model, tmp_path):
-    p = Pipeline(tmp_path, tables(tiny_model, "mix", run={"pools": ["a", "b"]}, trainer={"checkpoint_every": 1}))
-    p.start_server()
-    rec = Recorder()
-    try:
+    with Pipeline(tmp_path, tables(tiny_model, "mix", run={"pools": ["a", "b"]}, trainer={"checkpoint_every": 1})) as p:
+        rec = Recorder()
         p.start_all(2, env={"controller": {"RLBUS_CONTROLLER__POOL_MIX": "{a = 0.5, b = 0.5}"}})
         bus = await p.bus()
         watcher = asyncio.create_task(rec.run(bus))
@@ -230,11 +221,6 @@ async def test_a_new_target_mix_reroutes_generators_and_the_trained_mix_follows(
         # The trained mix follows within follow_s seconds (and was near the old target before).
         assert n_after >= 40 and abs(a_after - 0.2) <= 0.1, (a_after, n_after)
         assert abs(a_before - 0.5) <= 0.25, (a_before, n_before)
-    except BaseException:
-        print(p.logs())
-        raise
-    finally:
-        p.stop()
 
 
 async def scored_groups(bus: JetStreamBus, pool: str, timeout: float = 5.0) -> list[ScoredGroup]:
@@ -250,10 +236,8 @@ async def scored_groups(bus: JetStreamBus, pool: str, timeout: float = 5.0) -> l
 
 async def test_a_generator_killed_with_minus_9_is_detected_and_its_tasks_are_finished_by_another(tiny_model, tmp_path):
     n_tasks = 96
-    p = Pipeline(tmp_path, tables(tiny_model, "kill"))
-    p.start_server()
-    rec = Recorder()
-    try:
+    with Pipeline(tmp_path, tables(tiny_model, "kill")) as p:
+        rec = Recorder()
         p.start_all(2, slowdown=BASE_SLOWDOWN)
         p.set_slowdown("gen-1", SLOWED)  # long batches: it is killed holding tasks
         bus = await p.bus()
@@ -294,11 +278,6 @@ async def test_a_generator_killed_with_minus_9_is_detected_and_its_tasks_are_fin
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
         await bus.close()
-    except BaseException:
-        print(p.logs())
-        raise
-    finally:
-        p.stop()
 
 
 async def task_consumer(bus: JetStreamBus) -> Any:

@@ -27,9 +27,7 @@ async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_m
         "generator": {"max_batch_groups": 8},
         "broadcast": {}, "reward": {}, "environment": {},
     }
-    p = Pipeline(tmp_path, tables)
-    p.start_server()
-    try:
+    with Pipeline(tmp_path, tables) as p:
         p.start_all(1, slowdown=1.0)
         # The vLLM engine start (two spawned processes that import vLLM: about a minute on a small
         # CPU) overlaps the pipeline's own start: gen-vllm's process starts now, and it joins the run
@@ -61,8 +59,3 @@ async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_m
         assert served.metrics["generator/swaps"] >= 2
         assert served.metrics["generator/swap_pause_max_s"] > 0
         await bus.close()
-    except BaseException:
-        print(p.logs())
-        raise
-    finally:
-        p.stop()
