@@ -2,22 +2,24 @@
 
 consumes:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  durable 'broadcast'
            rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use
+           rl.<run>.control.generator.all.evaluate  (Control)  versions held-out rounds are pinned to
 produces:  rl.<run>.weights.<model>         (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
            the newest message on that subject is the ``latest`` pointer late joiners read
 waits for: the trainer's uploads
 A shard whose sha256 does not match is refused: the upload goes to DEAD with the reason and the
 previous version stays current.  Versions beyond ``keep_versions`` are deleted once no generator
-heartbeat reports using them.
+heartbeat reports using them and no recent held-out round (``keep_eval_versions``) is pinned to them.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
 from bus.subjects import Subjects
 from observability.logging import get_logger
-from schemas import Heartbeat, SchemaError, WeightManifest
+from schemas import Control, Heartbeat, SchemaError, WeightManifest
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -34,6 +36,7 @@ class Broadcaster:
         self.published: dict[int, WeightManifest] = {}
         self.latest = -1
         self.in_use: dict[str, tuple[int, float]] = {}  # generator instance -> (version, seen at)
+        self.eval_pins: deque[int] = deque(maxlen=cfg.keep_eval_versions)  # versions of the latest held-out rounds
         self.refused = 0
         self.deleted = 0
         self.verify_seconds = 0.0
@@ -70,9 +73,13 @@ class Broadcaster:
         if hb.service == "generator" and hb.version >= 0:
             self.in_use[hb.instance] = (hb.version, time.time() if hb.state != "stopped" else 0.0)
 
+    def note_evaluation(self, ctl: Control) -> None:
+        if ctl.action == "evaluate" and self.cfg.keep_eval_versions > 0:
+            self.eval_pins.append(int(ctl.params["version"]))
+
     def deletable(self) -> list[int]:
         now = time.time()
-        used = {v for v, seen in self.in_use.values() if now - seen < self.cfg.in_use_ttl}
+        used = {v for v, seen in self.in_use.values() if now - seen < self.cfg.in_use_ttl} | set(self.eval_pins)
         keep = set(sorted(self.published)[-self.cfg.keep_versions:])
         return [v for v in sorted(self.published) if v not in keep and v not in used]
 
@@ -119,9 +126,16 @@ async def run(run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: L
             except SchemaError as exc:
                 log.warning("bad_heartbeat", error=str(exc))
 
+    async def watch_evaluations() -> None:
+        async for d in bus.watch(subjects.control_action("generator", "all", "evaluate"), deliver="last_per_subject"):
+            try:
+                b.note_evaluation(Control.decode(d.msg))
+            except (SchemaError, KeyError, TypeError, ValueError) as exc:
+                log.warning("bad_evaluate_decision", error=str(exc))
+
     spec = ConsumerSpec(stream="WEIGHTS", durable=subjects.durable("broadcast"),
                         filter_subjects=(subjects.weight_uploads(run_cfg.model_name),), ack_wait=120, max_deliver=3,
                         max_ack_pending=4)
     beat.state = "running"
-    await run_until_stopped(life, lambda: beat.loop(life), watch_generators,
+    await run_until_stopped(life, lambda: beat.loop(life), watch_generators, watch_evaluations,
                             lambda: bus.consume(spec, WeightManifest.decode, on_upload, batch=1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from services.runtime.registry import Registry
 
@@ -37,6 +37,23 @@ class Backend(Protocol):
     def eos_id(self) -> int | None: ...
 
     def metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class PinnedSampling(Protocol):
+    """Optional capability: sample at an exact older version beside the live weights, so a held-out
+    round is scored on one version however far the live weights move meanwhile.  A backend without
+    it evaluates on its live weights and the tokens record which versions those were."""
+
+    @property
+    def pinned_version(self) -> int | None:
+        """The version the pinned copy holds now (None: built without one)."""
+        ...
+
+    def sample_at(self, version: int, weights: bytes | memoryview | None, prompts: list[list[int]], n: int,
+                  sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
+        """Like ``sample`` on ``version``'s weights; ``weights`` may be None when the copy holds it."""
+        ...
 
 
 class SampleMeter:

@@ -10,6 +10,9 @@ calls:     rl.<run>.env.<name>.reset_batch (EnvResetBatch -> EnvReplyBatch: per 
              error), one request per environment name in a batch
 produces:  rl.<run>.rollouts.<pool>       (RolloutGroup)    msg id 'rollouts.<task_id>'
 waits for: admission (grant_total > groups started) for training pools; eval tasks are not admitted
+Held-out tasks carry the version their round was scheduled at (metadata 'eval_version'); with
+eval_weights='pinned' they are sampled on a second copy of the model holding exactly that version,
+read through the transport its manifest names, so a round is scored on one version.
 A task is acked only after its group is published (a crash redelivers it; the msg id dedupes the
 re-publish).  Held tasks get in-progress heartbeats well within TASK_ACK_WAIT, so the tasks of a
 generator killed with -9 come back to the others within seconds.  A task the environment refuses
@@ -46,7 +49,7 @@ from schemas import (
     WeightManifest,
     spans_from_versions,
 )
-from services.generator.backend import BACKENDS, Backend
+from services.generator.backend import BACKENDS, Backend, PinnedSampling
 from services.generator.settings import GeneratorSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -89,6 +92,8 @@ class Generator:
         self._grant_floor_seq = -1  # admits older than the last drain are void
         self._t0 = time.time()
         self._rate_window: list[tuple[float, int]] = []
+        self.eval_pinned = 0  # held-out groups sampled at exactly their round's version
+        self.eval_unpinned = 0  # ... on the live weights, because that version could not be read
 
     @property
     def paused(self) -> bool:
@@ -166,19 +171,35 @@ class Generator:
     def note_taken(self, pool: str, n: int) -> None:
         self._taken[pool] += n
 
-    def sample(self, batch: list[tuple[Task, list[int]]]) -> list[RolloutGroup]:
-        """Blocking (run in a worker thread): one backend call per distinct sampling setting."""
-        by_params: dict[tuple[bytes, int], list[int]] = defaultdict(list)
+    @staticmethod
+    def eval_version(task: Task) -> int | None:
+        """The version a held-out task's round was scheduled at (None: not a held-out task)."""
+        v = task.metadata.get("eval_version") if task.eval else None
+        return int(v) if isinstance(v, int) and v >= 0 else None
+
+    def sample(self, batch: list[tuple[Task, list[int]]],
+               pins: dict[int, bytes | memoryview | None] | None = None) -> list[RolloutGroup]:
+        """Blocking (run in a worker thread): one backend call per distinct sampling setting and
+        pinned version.  ``pins`` holds the weights of each held-out version to sample at exactly
+        (None: the backend's pinned copy already holds it); other tasks use the live weights."""
+        pins = pins or {}
+        by_params: dict[tuple[bytes, int, int | None], list[int]] = defaultdict(list)
         for i, (task, _) in enumerate(batch):
-            by_params[(task.sampling.encode(), task.group_size)].append(i)
+            v = self.eval_version(task)
+            by_params[(task.sampling.encode(), task.group_size, v if v in pins else None)].append(i)
         groups: list[RolloutGroup | None] = [None] * len(batch)
-        for (_, n), idx in by_params.items():
+        for (_, n, pin), idx in by_params.items():
             sampling = batch[idx[0]][0].sampling
             prompts = [batch[i][1] for i in idx]
             stop_ids = [self.backend.eos_id] if self.backend.eos_id is not None else []
             seed = zlib.crc32(f"{self.cfg.seed}/{self.cfg.instance}/{self.batches}".encode())
             t0 = time.time()
-            outs = self.backend.sample(prompts, n, sampling, stop_ids, seed)
+            if pin is not None and isinstance(self.backend, PinnedSampling):
+                outs = self.backend.sample_at(pin, pins[pin], prompts, n, sampling, stop_ids, seed)
+                self.eval_pinned += len(idx)
+            else:
+                outs = self.backend.sample(prompts, n, sampling, stop_ids, seed)
+                self.eval_unpinned += sum(self.eval_version(batch[i][0]) is not None for i in idx)
             t1 = time.time()
             for i, samples in zip(idx, outs, strict=True):
                 task, prompt = batch[i]
@@ -217,6 +238,7 @@ class Generator:
                 "generator/paused": float(self.paused), "generator/min_version": self.min_version,
                 "generator/concurrency": self.batch_cap, "generator/tasks_redelivered": self.redelivered,
                 "generator/slowdown": float(getattr(self.backend, "slowdown", 1.0)),
+                "generator/eval_pinned": self.eval_pinned, "generator/eval_unpinned": self.eval_unpinned,
                 **{f"generator/pool/{p}/published": n for p, n in self.published_by_pool.items()},
                 **self.backend.metrics()}
 
@@ -251,16 +273,18 @@ class SlowdownFile:
 
 async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: Lifecycle) -> None:
     subjects = Subjects(run_cfg.run)
-    backend: Backend = await asyncio.to_thread(
-        BACKENDS.create, cfg.backend, model_path=run_cfg.model_path, dtype=cfg.dtype, deterministic=cfg.deterministic,
-        slowdown=cfg.slowdown, vllm=cfg.vllm, mid_sequence_swap=cfg.mid_sequence_swap)
     train_pools = [p for p in (cfg.pools or run_cfg.pools) if p != run_cfg.eval_pool]
     eval_pools = [run_cfg.eval_pool] if not cfg.pools or run_cfg.eval_pool in cfg.pools else []
+    backend: Backend = await asyncio.to_thread(
+        BACKENDS.create, cfg.backend, model_path=run_cfg.model_path, dtype=cfg.dtype, deterministic=cfg.deterministic,
+        slowdown=cfg.slowdown, vllm=cfg.vllm, mid_sequence_swap=cfg.mid_sequence_swap,
+        pin_eval=bool(eval_pools) and cfg.eval_weights == "pinned")
     gen = Generator(backend, cfg, train_pools)
     slowdown = SlowdownFile(cfg.slowdown_file)
     # A version is read through the transport its manifest names (the trainer and weight-broadcast
     # agree on it), so generators need no setting of their own that could disagree.
     transports: dict[str, WeightTransport] = {}
+    manifests: dict[int, WeightManifest] = {}  # recent versions, for held-out rounds pinned to one of them
 
     def transport_for(kind: str) -> WeightTransport:
         if kind not in transports:
@@ -286,6 +310,9 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
         async for d in bus.watch(subjects.weights(run_cfg.model_name), deliver="last_per_subject"):
             try:
                 manifest = WeightManifest.decode(d.msg)
+                manifests[manifest.version] = manifest
+                for old in sorted(manifests)[:-32]:
+                    del manifests[old]
                 if manifest.version <= backend.version:
                     continue
                 t0 = time.perf_counter()
@@ -351,6 +378,32 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
 
         await asyncio.gather(*(reset(env, idx) for env, idx in by_env.items()))
         return out
+
+    async def eval_pins(tasks: list[Task]) -> dict[int, bytes | memoryview | None]:
+        """The weights of each held-out version in a batch, for the backend's pinned copy.  A round
+        scheduled at a version whose manifest has not arrived yet waits for it a little; one that
+        can no longer be read (retention deleted it, or the generator joined after it) runs on the
+        live weights, whose tokens record their versions, and is counted as unpinned."""
+        pinned_now = backend.pinned_version if isinstance(backend, PinnedSampling) else None
+        if pinned_now is None:
+            return {}
+        pins: dict[int, bytes | memoryview | None] = {}
+        for v in sorted({v for t in tasks if (v := gen.eval_version(t)) is not None}):
+            if v == pinned_now:
+                pins[v] = None
+                continue
+            deadline = time.monotonic() + 5.0
+            while v not in manifests and v > max(manifests, default=-1) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            manifest = manifests.get(v)
+            try:
+                if manifest is None:
+                    raise LookupError("no manifest of that version was seen by this generator")
+                pins[v] = await transport_for(manifest.transport).read(manifest.shards[0])
+            except (LookupError, BusError, WeightIntegrityError, OSError) as exc:
+                log.warning("eval_unpinned", version=v, error=f"{type(exc).__name__}: {exc}",
+                            hint="the round runs on the live weights; raise [broadcast].keep_eval_versions")
+        return pins
 
     def train_puller(pool: str):  # type: ignore[no-untyped-def]
         if pool not in train_pullers:  # a pool routed here later: its durable is shared with the other replicas
@@ -460,7 +513,8 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                 gen.in_flight = 0
                 continue
             try:
-                groups = await asyncio.to_thread(gen.sample, batch)
+                pins = await eval_pins([t for t, _ in batch])
+                groups = await asyncio.to_thread(gen.sample, batch, pins)
             except Exception as exc:  # a backend failure must not kill the service or lose tasks
                 log.exception("sampling_failed", tasks=len(kept), error=repr(exc))
                 for d, is_eval in kept:

@@ -33,6 +33,10 @@ class GeneratorSettings(Settings):
         "when_cheaper", description="torch backend: when new weights arrive mid-batch, 'next_step' swaps at the next "
         "decode step (rebuilding in-flight rows' KV under the new weights); 'when_cheaper' does so only while the "
         "tokens left to decode outnumber the prefix to rebuild, else the batch finishes on its weights.")
+    eval_weights: Literal["pinned", "live"] = Field(
+        "pinned", description="Held-out rounds: 'pinned' samples each round at exactly the version it was scheduled "
+        "at, on a second copy of the model (torch backend; twice the weight memory); 'live' samples on the moving "
+        "live weights and records which versions produced the tokens (the vLLM backend always does this).")
     seed: int = Field(0, description="Sampling seed (combined with the instance name).")
     env_timeout: float = Field(10.0, gt=0, description="Seconds to wait for an environment reply.")
     slowdown: float = Field(1.0, ge=1.0, description="Testing aid: multiply sampling time (simulates a slow accelerator).")

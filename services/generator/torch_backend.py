@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from typing import Any
@@ -10,7 +11,7 @@ import torch
 
 from services.generator.backend import SampleMeter
 from services.policy.load import load_policy, load_state_from_safetensors, read_weights
-from services.policy.sampler import GroupSampler, MidSequenceSwap
+from services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
 from services.policy.sampling import SamplingParams
 
 
@@ -45,13 +46,30 @@ class WeightSlot:
         return True
 
 
+def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingParams, torch.Generator]:
+    params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
+                            max_new_tokens=sampling.max_new_tokens, stop_token_ids=tuple(stop_ids))
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return params, gen
+
+
 class TorchBackend(SampleMeter):
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
-                 slowdown: float = 1.0, mid_sequence_swap: MidSequenceSwap = "when_cheaper", **_: Any) -> None:
+                 slowdown: float = 1.0, mid_sequence_swap: MidSequenceSwap = "when_cheaper", pin_eval: bool = False,
+                 **_: Any) -> None:
         model, tokenizer = load_policy(model_path, dtype=dtype, attn="eager" if deterministic else "sdpa")  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.slot = WeightSlot(model, version)
         self.sampler = GroupSampler(self.slot, deterministic=deterministic, mid_sequence_swap=mid_sequence_swap)
+        # A second copy that never follows the live weights: held-out rounds sample it at exactly
+        # the version they were scheduled at.  Copied now, so it starts at the initial version,
+        # which no manifest carries.
+        self.pinned: StaticSlot | None = None
+        self._pinned_sampler: GroupSampler | None = None
+        if pin_eval:
+            self.pinned = StaticSlot(copy.deepcopy(model), version)
+            self._pinned_sampler = GroupSampler(self.pinned, deterministic=deterministic)
         SampleMeter.__init__(self, slowdown)
 
     @property
@@ -63,11 +81,23 @@ class TorchBackend(SampleMeter):
         return self.tokenizer.eos_token_id
 
     def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
-        params = SamplingParams(temperature=sampling.temperature, top_p=sampling.top_p,
-                                max_new_tokens=sampling.max_new_tokens, stop_token_ids=tuple(stop_ids))
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(seed)
-        return self.metered(lambda: self.sampler.sample_groups(prompts, n, params, gen))
+        return self.metered(lambda: self.sampler.sample_groups(prompts, n, *_params(sampling, stop_ids, seed)))
+
+    @property
+    def pinned_version(self) -> int | None:
+        return self.pinned.version if self.pinned is not None else None
+
+    def sample_at(self, version: int, weights: bytes | memoryview | None, prompts: list[list[int]], n: int,
+                  sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
+        if self.pinned is None or self._pinned_sampler is None:
+            raise RuntimeError("sample_at needs the backend built with pin_eval=True")
+        if self.pinned.version != version:
+            if weights is None:
+                raise ValueError(f"pinned copy holds v{self.pinned.version}; pass the weights of v{version}")
+            load_state_from_safetensors(self.pinned.model, weights)
+            self.pinned.version = version
+        sampler = self._pinned_sampler
+        return self.metered(lambda: sampler.sample_groups(prompts, n, *_params(sampling, stop_ids, seed)))
 
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         self.slot.stage(version, weights)

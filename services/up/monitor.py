@@ -80,7 +80,7 @@ class Monitor:
         del self._eval_rounds[round_version]
         versions = sorted({v for _, v in results})
         row = {"kind": "eval", "t": round(time.time() - self.t0, 3), "eval_round": round_version,
-               "versions": versions, "heldout/accuracy": sum(r for r, _ in results) / len(results), "n": len(results),
+               "versions": versions, "pinned": versions == [round_version], "heldout/accuracy": sum(r for r, _ in results) / len(results), "n": len(results),
                "trainer_step": self.last_step}
         self.evals.append(row)
         self._write(row)

@@ -103,7 +103,8 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
                 continue
             if row is None:
                 continue
-            msg = (f"eval @ v{row['eval_round']} (versions {row['versions']}): held-out accuracy "
+            where = "pinned" if row["pinned"] else f"live weights, versions {row['versions']}"
+            msg = (f"eval @ v{row['eval_round']} ({where}): held-out accuracy "
                    f"{row['heldout/accuracy']:.3f} at {row['t']:.0f}s")
             if progress is not None:
                 progress.console.print(msg)
@@ -141,7 +142,8 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
     print(f"rlbus up: stopping ({outcome['why'] or 'interrupted'})", flush=True)
     if mon.evals:
         last = mon.evals[-1]
-        print(f"rlbus up: final held-out accuracy {last['heldout/accuracy']:.3f} at versions {last['versions']}", flush=True)
+        print(f"rlbus up: final held-out accuracy {last['heldout/accuracy']:.3f} at "
+              f"{'version' if last['pinned'] else 'versions'} {', '.join(map(str, last['versions']))}", flush=True)
     return int(outcome["code"])
 
 

@@ -36,6 +36,8 @@ eval_every = 20
     train = [r for r in rows if r["kind"] == "train"]
     assert len(train) >= 80
     assert evals[0]["eval_round"] == 0 and evals[-1]["eval_round"] >= 80, evals
+    # Every round was scored on exactly the version it was scheduled at, while training moved on.
+    assert all(e["pinned"] and e["versions"] == [e["eval_round"]] for e in evals), evals
     first, last = evals[0]["heldout/accuracy"], evals[-1]["heldout/accuracy"]
     assert last >= first + 0.15, f"held-out accuracy {first:.3f} -> {last:.3f}: no clear learning"
     early = sum(r["batch/reward_mean"] for r in train[:10]) / 10
