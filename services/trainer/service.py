@@ -165,10 +165,16 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         dropped, asm.dropped = asm.dropped, []
         for d in dropped:
             state.consumed.setdefault(d.group.task.task_id, d.reason)
-        state.counters = counters
-        await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
-        for d in dropped:
-            await d.handle.ack()
+        if unacked:
+            # Steps since the last checkpoint put their groups in the ledger too: rewriting only the
+            # ledger would claim them trained beside a model without their update.  Checkpoint all.
+            unacked.extend(dropped)
+            await commit()
+        else:
+            state.counters = counters
+            await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
+            for d in dropped:
+                await d.handle.ack()
         publish_state()
 
     async def keep_alive() -> None:

@@ -118,7 +118,11 @@ async def wait_heartbeat(bus: JetStreamBus, pred: Callable[[Heartbeat], bool], t
 def checkpoint_state(root: Path) -> dict[str, Any]:
     ckpt = root / "checkpoints"
     folder = ckpt / json.loads((ckpt / "latest").read_text())["checkpoint"]
-    return json.loads((folder / "state.json").read_text())
+    state = json.loads((folder / "state.json").read_text())
+    # The ledger must never run ahead of the model beside it: a crash would then restart from
+    # weights without updates the ledger calls trained.
+    assert folder.name == f"step-{state['step']:08d}", f"{folder.name} holds the ledger of step {state['step']}"
+    return state
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:

@@ -110,7 +110,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
             if sum(ledger.values()) + queued == N_TASKS or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-        assert sum(ledger.values()) + queued == N_TASKS, seen
+        assert sum(ledger.values()) + queued == N_TASKS, str(seen)
         # Trained at most once: the trainer's own count equals the distinct ids it recorded.
         assert state["counters"]["groups_trained_total"] == ledger["train"], (ledger, state["counters"])
         assert ledger["train"] >= 8 * (killed_at + 3)
