@@ -8,8 +8,9 @@ sequences continue and their later tokens carry the new version.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from services.runtime.registry import Registry
@@ -75,6 +76,34 @@ class SampleMeter:
         self.sample_seconds += time.perf_counter() - t0
         self.tokens += sum(len(s.completion_ids) for g in out for s in g)
         return out
+
+
+def cut_at_stop(sample: Any, stops: Sequence[str], decode: Callable[[list[int]], str]) -> Any:
+    """The sample ended at the first stop string in its text: completion ids, behaviour logprobs and
+    token versions cut after the token that completes it, finish reason 'stop'.  The stop string
+    stays in the completion (its tokens were sampled, so the trainer sees them).
+
+    Backends stop only on token ids, so this runs on what they return; a sample is the same
+    whether the backend stopped at that token or went on, because the kept tokens' logprobs
+    do not depend on the tokens after them.  The shortest cut is found by bisection on decoded
+    prefix length (a handful of decodes, not one per token)."""
+    ids = list(sample.completion_ids)
+    text = decode(ids)
+    ends = [i + len(stop) for stop in stops if stop and (i := text.find(stop)) >= 0]
+    if not ends:
+        return sample
+    need = min(ends)
+    lo, hi = 1, len(ids)  # the shortest prefix whose text reaches the end of the first stop string
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(decode(ids[:mid])) >= need:
+            hi = mid
+        else:
+            lo = mid + 1
+    if lo == len(ids) and sample.finish_reason == "stop":
+        return sample
+    return dataclasses.replace(sample, completion_ids=ids[:lo], behaviour_logprobs=sample.behaviour_logprobs[:lo],
+                               token_versions=sample.token_versions[:lo], finish_reason="stop")
 
 
 # Lazy "module:attr" entries: choosing a backend imports it, so a torch-only install never imports vLLM.

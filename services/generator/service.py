@@ -49,7 +49,7 @@ from schemas import (
     WeightManifest,
     spans_from_versions,
 )
-from services.generator.backend import BACKENDS, Backend, PinnedSampling
+from services.generator.backend import BACKENDS, Backend, PinnedSampling, cut_at_stop
 from services.generator.settings import GeneratorSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -205,6 +205,8 @@ class Generator:
                 task, prompt = batch[i]
                 rollouts = []
                 for k, s in enumerate(samples):
+                    if sampling.stop:
+                        s = cut_at_stop(s, sampling.stop, self.backend.decode)
                     ids = np.asarray([*prompt, *s.completion_ids], dtype="<i4")
                     rollouts.append(Rollout(
                         rollout_id=f"{task.task_id}:{k}", task_id=task.task_id, index=k, token_ids=ids,

@@ -1,12 +1,16 @@
-"""Held-out rounds pinned to one version: the generator samples them on a second copy of the
-model that holds exactly the round's version while the live weights move on, and
-weight-broadcast keeps the versions of recent rounds readable."""
+"""The generator's sampling rules beyond the sampler itself.
+
+Held-out rounds pinned to one version: the generator samples them on a second copy of the model
+that holds exactly the round's version while the live weights move on, and weight-broadcast keeps
+the versions of recent rounds readable.  Stop strings: a sample ends at the first one, whatever
+the backend returned after it."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save as save_safetensors
@@ -14,9 +18,11 @@ from safetensors.torch import save as save_safetensors
 from schemas import Control, SamplingParams, Shard, Task, WeightManifest
 from services.broadcast.service import Broadcaster
 from services.broadcast.settings import BroadcastSettings
+from services.generator.backend import cut_at_stop
 from services.generator.service import Generator
 from services.generator.settings import GeneratorSettings
 from services.generator.torch_backend import TorchBackend
+from services.policy.sampler import SampleOut
 from services.policy.tokenizer import encode_prompt
 from services.tasks.addition import make_split
 
@@ -110,3 +116,30 @@ def test_broadcast_keeps_the_versions_of_recent_held_out_rounds() -> None:
     b.note_evaluation(Control(seq=9, action="pause", target_service="generator", target_instance="all",
                               params={}, reason="", issued_at=time.time()))
     assert b.deletable() == [0, 1, 2, 3, 4, 7]
+
+
+def _chars(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+def _sample(text: str, finish: str = "length") -> SampleOut:
+    ids = [ord(c) for c in text]
+    return SampleOut(completion_ids=ids, behaviour_logprobs=-np.arange(1, len(ids) + 1, dtype=np.float32) / 10,
+                     token_versions=np.arange(len(ids), dtype=np.int64), finish_reason=finish)  # type: ignore[arg-type]
+
+
+def test_a_sample_ends_at_the_first_stop_string_with_its_logprobs_and_versions() -> None:
+    cut = cut_at_stop(_sample("12+3=15\n\nand more"), ["\n\n", "and"], _chars)
+    assert _chars(cut.completion_ids) == "12+3=15\n\n" and cut.finish_reason == "stop"
+    assert cut.behaviour_logprobs.tolist() == pytest.approx([-(i + 1) / 10 for i in range(9)])
+    assert cut.token_versions.tolist() == list(range(9))
+    # The earliest stop wins whichever is listed first; no stop string: the sample is unchanged.
+    assert _chars(cut_at_stop(_sample("x and\n\n"), ["\n\n", "and"], _chars).completion_ids) == "x and"
+    untouched = _sample("no stop here")
+    assert cut_at_stop(untouched, ["\n\n"], _chars) is untouched
+    # A stop string spread over tokens: the cut is after the token that completes it.
+    two = SampleOut(completion_ids=[1, 2, 3], behaviour_logprobs=np.zeros(3, np.float32),
+                    token_versions=np.zeros(3, np.int64), finish_reason="length")
+    pieces = {1: "ab", 2: "c#", 3: "#d"}
+    assert cut_at_stop(two, ["##"], lambda ids: "".join(pieces[i] for i in ids)).completion_ids == [1, 2, 3]
+    assert cut_at_stop(two, ["c#"], lambda ids: "".join(pieces[i] for i in ids)).completion_ids == [1, 2]
