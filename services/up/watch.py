@@ -56,11 +56,18 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
     subjects = Subjects(run_cfg.run)
     mon = Monitor(folder / "metrics.jsonl", eval_size=up_cfg.eval_tasks)
     stop = asyncio.Event()
+    outcome: dict[str, Any] = {"code": 0, "why": ""}
+
+    def interrupted(sig: signal.Signals) -> None:
+        # Ctrl-C means stop now: no final evaluation round, exit 130 like any interrupted command.
+        if not stop.is_set():
+            outcome.update(code=130, why=f"interrupted ({sig.name})")
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, interrupted, sig)
     bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-watch")
-    outcome = {"code": 0, "why": ""}
     live_view = view and sys.stdout.isatty()
     progress: Any = None
     if live_view:
