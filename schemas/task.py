@@ -33,6 +33,8 @@ class SamplingParams(Message):
             raise invalid(self, "top_p", "must be in (0, 1]", got=str(self.top_p))
         if self.max_new_tokens < 1:
             raise invalid(self, "max_new_tokens", "must be >= 1", got=str(self.max_new_tokens))
+        if not isinstance(self.stop, list) or not all(isinstance(x, str) and x for x in self.stop):
+            raise invalid(self, "stop", "must be a list of non-empty strings", got=repr(self.stop)[:80])
 
 
 @dataclass(frozen=True)

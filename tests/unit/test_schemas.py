@@ -370,6 +370,14 @@ def test_cross_field_validation_runs_on_decode():
     assert (err.expected, err.got) == ("2", "4")
 
 
+
+@pytest.mark.parametrize("stop", [[""], ["ok", ""]])
+def test_empty_stop_strings_are_refused(stop):
+    """An empty stop string would end every sample at its first token."""
+    w = wire(sampling())
+    w["stop"] = stop
+    assert decode_error(SamplingParams, w).field == "stop"
+
 # ---------------------------------------------------------------------------------------
 # fuzz: nothing but SchemaError ever escapes decode
 
