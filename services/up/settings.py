@@ -9,6 +9,8 @@ from services.runtime.config import Settings
 
 class UpSettings(Settings):
     train_tasks: int = Field(65536, ge=1, description="3-digit addition tasks for the train pool (published as the backlog drains).")
+    epochs: int = Field(0, ge=0, description="Passes over the training tasks, each reshuffled under new task ids "
+                        "(0 = as many as the run needs until max_steps or stop_at_accuracy).")
     eval_tasks: int = Field(200, ge=0, description="Held-out tasks (never trained on) evaluated every eval_every versions.")
     max_steps: int = Field(1000, ge=1, description="Stop after this many trainer steps.")
     stop_at_accuracy: float = Field(0.9, ge=0, le=1, description="Also stop once held-out accuracy reaches this (0 = run all steps).")

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import signal
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from schemas import Heartbeat, SchemaError, ScoredGroup
+from schemas import Heartbeat, SchemaError, ScoredGroup, Task
 from services.runtime.config import RunSettings
 from services.up.monitor import Monitor
 from services.up.procs import Children
@@ -25,27 +29,52 @@ def _line(row: dict[str, Any], mon: Monitor) -> str:
 
 
 FEED_CHUNK = 2048
+FEED_DRY_S = 30.0  # trainer idle this long with no task queued: the task set is used up
 
 
-async def feed(bus: Any, subjects: Any, tasks: list[Any], stop: asyncio.Event) -> None:
+async def _backlog(bus: Any, durable: str) -> int | None:
+    """Tasks queued for the generators (None until a generator has created its consumer)."""
+    for s in await bus.streams():
+        for c in s.consumers:
+            if c.name == durable:
+                return int(c.pending + c.ack_pending)
+    return None
+
+
+async def feed(bus: Any, subjects: Any, tasks: list[Task], stop: asyncio.Event, *, epochs: int, seed: int,
+               idle_s: Callable[[], float]) -> str | None:
     """Publish training tasks as the backlog drains, so a long run never runs dry and a short one
-    does not wait for tens of thousands of publishes before the first step."""
+    does not wait for tens of thousands of publishes before the first step.
+
+    Each further epoch publishes the set again, reshuffled, under new task ids (``<id>.e<k>``) so
+    deduplication and the trainer's ledger take them as new groups.  ``epochs`` 0 cycles until
+    another rule stops the run; otherwise, once the last epoch is used up (nothing queued and the
+    trainer idle for a while, holding at most a partial batch), returns why the run should stop."""
     durable = subjects.durable("generator", tasks[0].pool) if tasks else ""
-    sent = 0
-    while sent < len(tasks) and not stop.is_set():
-        backlog = 0
-        for s in await bus.streams():
-            for c in s.consumers:
-                if c.name == durable:
-                    backlog = c.pending + c.ack_pending
-        if sent == 0 or backlog < FEED_CHUNK:
-            chunk = tasks[sent:sent + FEED_CHUNK]
-            await bus.publish_many([(subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in chunk])
-            sent += len(chunk)
-            continue
+    epoch = 0
+    while tasks and not stop.is_set() and (epochs == 0 or epoch < epochs):
+        order = tasks if epoch == 0 else [replace(t, task_id=f"{t.task_id}.e{epoch}")
+                                          for t in random.Random(seed + epoch).sample(tasks, len(tasks))]
+        sent = 0
+        while sent < len(order) and not stop.is_set():
+            first = epoch == 0 and sent == 0
+            backlog = None if first else await _backlog(bus, durable)
+            # Before a generator has made its consumer, the backlog is unknown: wait for it.
+            if first or (backlog is not None and backlog < FEED_CHUNK):
+                if sent == 0 and epoch > 0:
+                    print(f"rlbus up: epoch {epoch + 1} over the {len(tasks)} training tasks", flush=True)
+                chunk = order[sent:sent + FEED_CHUNK]
+                await bus.publish_many([(subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in chunk])
+                sent += len(chunk)
+                continue
+            await asyncio.sleep(1.0)
+        epoch += 1
+    while not stop.is_set():
+        if await _backlog(bus, durable) == 0 and idle_s() > FEED_DRY_S:
+            return (f"all {epochs} epoch(s) over the {len(tasks)} training tasks used "
+                    "(raise [up].epochs or [up].train_tasks for a longer run)")
         await asyncio.sleep(1.0)
-    if sent >= len(tasks):
-        print(f"rlbus up: all {len(tasks)} training tasks published; raise [up].train_tasks for longer runs", flush=True)
+    return None
 
 
 async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
@@ -131,11 +160,20 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
                 stop.set()
             await asyncio.sleep(0.5)
 
-    workers = [asyncio.create_task(f()) for f in (follow_metrics, follow_eval, follow_children)]
-    workers.append(asyncio.create_task(feed(bus, subjects, tasks, stop)))
+    def idle_s() -> float:
+        return time.time() - mon.t0 - (mon.steps[-1]["t"] if mon.steps else 0.0)
+
+    async def feeding() -> None:
+        why = await feed(bus, subjects, tasks, stop, epochs=up_cfg.epochs, seed=up_cfg.seed, idle_s=idle_s)
+        if why and not stop.is_set():
+            outcome.update(why=why, final_eval=False)  # the trainer is not done: no final round comes
+            stop.set()
+
+    workers = [asyncio.create_task(f()) for f in (follow_metrics, follow_eval, follow_children, feeding)]
     try:
         await stop.wait()
-        if outcome["code"] == 0 and up_cfg.eval_tasks and not outcome["why"].startswith("held-out"):
+        if (outcome["code"] == 0 and up_cfg.eval_tasks and outcome.get("final_eval", True)
+                and not outcome["why"].startswith("held-out")):
             # One last evaluation of the final version, so the run ends on a measured number.
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(_await_eval(mon, mon.version), timeout=60)
