@@ -188,7 +188,9 @@ class Generator:
             v = self.eval_version(task)
             by_params[(task.sampling.encode(), task.group_size, v if v in pins else None)].append(i)
         groups: list[RolloutGroup | None] = [None] * len(batch)
-        for (_, n, pin), idx in by_params.items():
+        # The version the pinned copy holds (weights None) goes first, before another round's load replaces it.
+        calls = sorted(by_params.items(), key=lambda kv: not (kv[0][2] is not None and pins[kv[0][2]] is None))
+        for (_, n, pin), idx in calls:
             sampling = batch[idx[0]][0].sampling
             prompts = [batch[i][1] for i in idx]
             stop_ids = [self.backend.eos_id] if self.backend.eos_id is not None else []

@@ -90,6 +90,10 @@ def test_generator_samples_each_round_at_its_version_and_counts_the_rest(tiny_mo
     assert versions == [{2}, {2}, {3}, {3}]
     assert (gen.eval_pinned, gen.eval_unpinned) == (2, 1)
     assert backend.pinned_version == 2 and backend.version == 3
+    # Two rounds in one batch: the one the copy holds (no weights passed) runs before the other loads.
+    v4 = _perturbed(backend, 0.1)
+    groups = gen.sample([(task(4, 4), prompts[4]), (task(5, 2), prompts[5])], {4: v4, 2: None})
+    assert [set(r.version_spans[:, 1].tolist()) for g in groups for r in g.rollouts] == [{4}, {2}]
 
 
 def test_a_backend_built_without_a_pinned_copy_runs_rounds_live(tiny_model: Path, prompts) -> None:  # type: ignore[no-untyped-def]
