@@ -84,15 +84,21 @@ def load_latest(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                *, keep: int) -> None:
-    """Record consumed ids without a new step (groups dropped while no batch fills): rewrite the
-    latest checkpoint's state.json atomically, or write a full checkpoint if there is none."""
+                *, keep: int, dropped: dict[str, str]) -> None:
+    """Make the ledger entries of dropped groups durable without a new step (groups dropped while
+    no batch fills): add them to the latest checkpoint's state.json and change nothing else there.
+    Dropped groups trained nothing, so they fit that checkpoint's model whatever steps ran since;
+    writing the trainer's current ledger instead would record groups of those steps as trained
+    beside a model without their update.  With no checkpoint yet, write a full one of ``state``."""
     pointer = root / "latest"
     if not pointer.exists():
         save(root, model, optimizer, state, keep=keep)
         return
     folder = root / json.loads(pointer.read_text())["checkpoint"]
+    record = json.loads((folder / "state.json").read_text())
+    for gid, reason in dropped.items():
+        record["consumed"].setdefault(gid, reason)
     tmp = folder / "state.json.tmp"
-    _write_json(tmp, _state_record(state))
+    _write_json(tmp, record)
     os.replace(tmp, folder / "state.json")
     _fsync_dir(folder)

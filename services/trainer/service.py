@@ -163,18 +163,16 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         """Many groups dropped and no batch yet (e.g. every reward equal): make their ledger
         entries durable and ack them, instead of holding them against max_ack_pending."""
         dropped, asm.dropped = asm.dropped, []
+        entries: dict[str, str] = {}
         for d in dropped:
-            state.consumed.setdefault(d.group.task.task_id, d.reason)
-        if unacked:
-            # Steps since the last checkpoint put their groups in the ledger too: rewriting only the
-            # ledger would claim them trained beside a model without their update.  Checkpoint all.
-            unacked.extend(dropped)
-            await commit()
-        else:
-            state.counters = counters
-            await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
-            for d in dropped:
-                await d.handle.ack()
+            gid = d.group.task.task_id
+            if gid not in state.consumed:  # a duplicate is accounted already (on disk or with its step)
+                state.consumed[gid] = entries[gid] = d.reason
+        state.counters = counters
+        await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep,
+                                dropped=entries)
+        for d in dropped:
+            await d.handle.ack()
         publish_state()
 
     async def keep_alive() -> None:

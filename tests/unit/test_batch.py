@@ -197,3 +197,39 @@ def test_staleness_boundary_is_inclusive(max_staleness):
     at_limit = a.offer(group("a", [1.0, 0.0], versions=10 - max_staleness), None, version=10, consumed=set())
     beyond = a.offer(group("b", [1.0, 0.0], versions=9 - max_staleness), None, version=10, consumed=set())
     assert (at_limit.reason, beyond.reason) == ("train", "stale")
+
+
+# --- checkpoint ledger ---------------------------------------------------------------------
+
+
+def test_a_ledger_only_save_adds_dropped_groups_and_never_runs_ahead_of_the_model(tmp_path):
+    import json
+
+    import torch
+
+    from services.trainer import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    root = tmp_path / "ckpt"
+    state = checkpoint.TrainerState(step=2, version=2, consumed={"a": "train"}, counters={"groups_trained_total": 1})
+    checkpoint.save(root, model, optimizer, state, keep=2)
+    # A step ran since (not checkpointed yet), then groups were dropped while the next batch filled.
+    state.step, state.version = 3, 3
+    state.consumed.update({"b": "train", "c": "filtered"})
+    checkpoint.save_ledger(root, model, optimizer, state, keep=2, dropped={"c": "filtered"})
+    on_disk = json.loads((root / "step-00000002" / "state.json").read_text())
+    assert on_disk["step"] == 2 and on_disk["consumed"] == {"a": "train", "c": "filtered"}
+    restored = checkpoint.load_latest(root, torch.nn.Linear(2, 2), torch.optim.AdamW(model.parameters()))
+    assert restored is not None and restored.consumed == {"a": "train", "c": "filtered"}
+
+
+def test_a_ledger_only_save_with_no_checkpoint_writes_a_full_one(tmp_path):
+    import torch
+
+    from services.trainer import checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    state = checkpoint.TrainerState(step=1, version=1, consumed={"a": "train", "c": "stale"})
+    checkpoint.save_ledger(tmp_path, model, torch.optim.AdamW(model.parameters()), state, keep=2, dropped={"c": "stale"})
+    assert (tmp_path / "step-00000001" / "model.safetensors").exists()
