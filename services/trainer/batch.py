@@ -89,3 +89,13 @@ class Assembler:
         self.kept = still
         self.dropped.extend(out)
         return out
+
+
+def ready_to_ack(held: list[GroupDecision], committed: Container[str]) -> tuple[list[GroupDecision], list[GroupDecision]]:
+    """Split what the trainer holds into what a checkpoint of ``committed`` ids lets it ack now and
+    what must wait.  A duplicate is a redelivered copy of the same message as its original: acking
+    it acks the original, so it waits until the original's id is committed (the original may still
+    wait in a batch, and a crash would then lose it)."""
+    now = [d for d in held if d.reason != "duplicate" or d.group.task.task_id in committed]
+    later = [d for d in held if d.reason == "duplicate" and d.group.task.task_id not in committed]
+    return now, later

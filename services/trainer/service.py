@@ -38,7 +38,7 @@ from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
 from services.runtime.weights import make_transport
 from services.trainer import checkpoint, distributed
-from services.trainer.batch import Assembler, GroupDecision
+from services.trainer.batch import Assembler, GroupDecision, ready_to_ack
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, make_optimizer, pack, train_step
 
@@ -154,7 +154,7 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         state.counters = counters
         await asyncio.to_thread(checkpoint.save, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep)
         spent = time.perf_counter() - t0
-        done, unacked[:] = list(unacked), []
+        done, unacked[:] = ready_to_ack(unacked, state.consumed)
         for d in done:
             await d.handle.ack()
         return spent
@@ -164,14 +164,20 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         entries durable and ack them, instead of holding them against max_ack_pending."""
         dropped, asm.dropped = asm.dropped, []
         entries: dict[str, str] = {}
+        recorded: list[GroupDecision] = []
         for d in dropped:
             gid = d.group.task.task_id
-            if gid not in state.consumed:  # a duplicate is accounted already (on disk or with its step)
-                state.consumed[gid] = entries[gid] = d.reason
+            if d.reason == "duplicate":
+                # A redelivered copy: its original may be in a step not checkpointed yet or still wait
+                # in a batch, and acking it now would lose that group in a crash.  commit() acks it.
+                unacked.append(d)
+                continue
+            state.consumed[gid] = entries[gid] = d.reason
+            recorded.append(d)
         state.counters = counters
         await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep,
                                 dropped=entries)
-        for d in dropped:
+        for d in recorded:
             await d.handle.ack()
         publish_state()
 
@@ -239,7 +245,8 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             for d in batch:
                 state.consumed[d.group.task.task_id] = "train"
             for d in dropped:
-                state.consumed.setdefault(d.group.task.task_id, d.reason)
+                if d.reason != "duplicate":  # the original's own outcome is what the ledger records
+                    state.consumed.setdefault(d.group.task.task_id, d.reason)
             unacked.extend(batch + dropped)
             counters["groups_trained_total"] += len(batch)
             counters["rollouts_stale_total"] = asm.rollouts_stale

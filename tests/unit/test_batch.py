@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import Rollout, ScoredGroup, ScoredRollout, Task, spans_from_versions
-from services.trainer.batch import Assembler
+from services.trainer.batch import Assembler, ready_to_ack
 
 PROMPT = [1, 5, 6, 7, 14, 8, 9, 10, 17]
 
@@ -107,6 +107,18 @@ def test_a_redelivered_group_is_a_duplicate():
     assert [d.handle for d in a.kept] == ["first"]
     assert a.counts == {"duplicate": 2, "train": 1}
 
+
+def test_a_duplicate_is_acked_only_once_its_original_is_committed():
+    """Acking a redelivered copy acks its original (one message): never before the original is
+    in a checkpoint, or a crash in between loses the group."""
+    a = Assembler(batch_groups=4, max_staleness=1)
+    original = a.offer(group("g1", [1.0, 0.0]), "first", version=0, consumed=set())
+    copy = a.offer(group("g1", [1.0, 0.0]), "second", version=0, consumed=set())
+    filtered = a.offer(group("g2", [1.0, 1.0]), "third", version=0, consumed=set())
+    now, later = ready_to_ack([copy, filtered], committed={"g2"})
+    assert (now, later) == ([filtered], [copy])  # g1 still waits in the batch
+    now, later = ready_to_ack([original, copy], committed={"g1", "g2"})
+    assert (now, later) == ([original, copy], [])
 
 def test_take_returns_one_batch_and_every_drop_since_the_last_take():
     a = Assembler(batch_groups=2, max_staleness=1)
