@@ -189,7 +189,8 @@ class Generator:
             by_params[(task.sampling.encode(), task.group_size, v if v in pins else None)].append(i)
         groups: list[RolloutGroup | None] = [None] * len(batch)
         # The version the pinned copy holds (weights None) goes first, before another round's load replaces it.
-        calls = sorted(by_params.items(), key=lambda kv: not (kv[0][2] is not None and pins[kv[0][2]] is None))
+        held = next((v for v, w in pins.items() if w is None), None)
+        calls = sorted(by_params.items(), key=lambda kv: kv[0][2] != held)
         for (_, n, pin), idx in calls:
             sampling = batch[idx[0]][0].sampling
             prompts = [batch[i][1] for i in idx]

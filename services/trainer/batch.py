@@ -96,6 +96,14 @@ def ready_to_ack(held: list[GroupDecision], committed: Container[str]) -> tuple[
     what must wait.  A duplicate is a redelivered copy of the same message as its original: acking
     it acks the original, so it waits until the original's id is committed (the original may still
     wait in a batch, and a crash would then lose it)."""
-    now = [d for d in held if d.reason != "duplicate" or d.group.task.task_id in committed]
-    later = [d for d in held if d.reason == "duplicate" and d.group.task.task_id not in committed]
+    now: list[GroupDecision] = []
+    later: list[GroupDecision] = []
+    for d in held:
+        (later if d.reason == "duplicate" and d.group.task.task_id not in committed else now).append(d)
     return now, later
+
+
+def ledger_entries(dropped: list[GroupDecision]) -> dict[str, str]:
+    """What the ledger records for dropped groups: id -> reason.  A duplicate records nothing (its
+    original's own outcome is the entry)."""
+    return {d.group.task.task_id: d.reason for d in dropped if d.reason != "duplicate"}

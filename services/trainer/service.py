@@ -38,7 +38,7 @@ from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
 from services.runtime.weights import make_transport
 from services.trainer import checkpoint, distributed
-from services.trainer.batch import Assembler, GroupDecision, ready_to_ack
+from services.trainer.batch import Assembler, GroupDecision, ledger_entries, ready_to_ack
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, make_optimizer, pack, train_step
 
@@ -163,21 +163,16 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         """Many groups dropped and no batch yet (e.g. every reward equal): make their ledger
         entries durable and ack them, instead of holding them against max_ack_pending."""
         dropped, asm.dropped = asm.dropped, []
-        entries: dict[str, str] = {}
-        recorded: list[GroupDecision] = []
-        for d in dropped:
-            gid = d.group.task.task_id
-            if d.reason == "duplicate":
-                # A redelivered copy: its original may be in a step not checkpointed yet or still wait
-                # in a batch, and acking it now would lose that group in a crash.  commit() acks it.
-                unacked.append(d)
-                continue
-            state.consumed[gid] = entries[gid] = d.reason
-            recorded.append(d)
+        entries = ledger_entries(dropped)
+        for gid, reason in entries.items():
+            state.consumed.setdefault(gid, reason)
         state.counters = counters
         await asyncio.to_thread(checkpoint.save_ledger, ckpt_dir, model, optimizer, state, keep=cfg.checkpoint_keep,
                                 dropped=entries)
-        for d in recorded:
+        # A ledger-only save commits no trained group: duplicates wait for the next commit().
+        now, later = ready_to_ack(dropped, committed=())
+        unacked.extend(later)
+        for d in now:
             await d.handle.ack()
         publish_state()
 
@@ -244,9 +239,8 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
             state.version += 1
             for d in batch:
                 state.consumed[d.group.task.task_id] = "train"
-            for d in dropped:
-                if d.reason != "duplicate":  # the original's own outcome is what the ledger records
-                    state.consumed.setdefault(d.group.task.task_id, d.reason)
+            for gid, reason in ledger_entries(dropped).items():
+                state.consumed.setdefault(gid, reason)
             unacked.extend(batch + dropped)
             counters["groups_trained_total"] += len(batch)
             counters["rollouts_stale_total"] = asm.rollouts_stale
