@@ -217,7 +217,12 @@ async def test_a_new_target_mix_reroutes_generators_and_the_trained_mix_follows(
         rates = moved[-1].inputs["rates"]
         a_routed = sum(c.params["shares"].get("a", 0.0) * rates.get(i, 0.0) for i, c in current.items()) / max(
             sum(rates.get(i, 0.0) for i in current), 1e-9)
-        assert 0.1 <= a_routed <= 0.3, ([c.params for c in current.values()], rates)
+        # The plan stacks them over its *need*: the target scaled by how many groups of each pool the
+        # trainer keeps (a pool whose groups are dropped more often needs more starts), so the routed
+        # share follows the need, and the need sits near the new target.
+        need_a = moved[-1].inputs["need"]["a"]
+        assert 0.1 <= need_a <= 0.35, moved[-1].reason
+        assert abs(a_routed - need_a) <= 0.06, ([c.params for c in current.values()], rates, need_a)
         # The trained mix follows within follow_s seconds (and was near the old target before).
         assert n_after >= 40 and abs(a_after - 0.2) <= 0.1, (a_after, n_after)
         assert abs(a_before - 0.5) <= 0.25, (a_before, n_before)
