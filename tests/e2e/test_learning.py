@@ -38,7 +38,10 @@ eval_every = 20
     assert evals[0]["eval_round"] == 0 and evals[-1]["eval_round"] >= 80, evals
     # Every round was scored on exactly the version it was scheduled at, while training moved on.
     assert all(e["pinned"] and e["versions"] == [e["eval_round"]] for e in evals), evals
-    first, last = evals[0]["heldout/accuracy"], evals[-1]["heldout/accuracy"]
+    # One 200-task round has ~0.035 standard error and an asynchronous run's trajectory varies
+    # with machine load: judge the mean of the last two rounds, not a single reading.
+    first = evals[0]["heldout/accuracy"]
+    last = sum(e["heldout/accuracy"] for e in evals[-2:]) / 2
     assert last >= first + 0.15, f"held-out accuracy {first:.3f} -> {last:.3f}: no clear learning"
     early = sum(r["batch/reward_mean"] for r in train[:10]) / 10
     late = sum(r["batch/reward_mean"] for r in train[-10:]) / 10
