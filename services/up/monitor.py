@@ -90,6 +90,12 @@ class Monitor:
     def accuracy(self) -> float | None:
         return self.evals[-1]["heldout/accuracy"] if self.evals else None
 
+    def sustained_accuracy(self, rounds: int) -> float | None:
+        """Mean held-out accuracy of the latest `rounds` rounds; None until there are that many."""
+        if len(self.evals) < rounds:
+            return None
+        return sum(r["heldout/accuracy"] for r in self.evals[-rounds:]) / rounds
+
     def collapsed(self) -> bool:
         recent = [r.get("batch/reward_mean", 1.0) for r in self.steps[-5:]]
         return len(recent) == 5 and max(recent) == 0.0

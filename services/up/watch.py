@@ -146,8 +146,10 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
                 progress.console.print(msg)
             else:
                 print(msg, flush=True)
-            if up_cfg.stop_at_accuracy and row["heldout/accuracy"] >= up_cfg.stop_at_accuracy:
-                outcome["why"] = f"held-out accuracy {row['heldout/accuracy']:.3f} >= {up_cfg.stop_at_accuracy}"
+            sustained = mon.sustained_accuracy(up_cfg.stop_rounds)
+            if up_cfg.stop_at_accuracy and sustained is not None and sustained >= up_cfg.stop_at_accuracy:
+                outcome["why"] = (f"held-out accuracy {sustained:.3f} (mean of the last {up_cfg.stop_rounds} "
+                                  f"rounds) >= {up_cfg.stop_at_accuracy}")
                 stop.set()
 
     async def follow_children() -> None:

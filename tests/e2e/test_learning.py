@@ -19,10 +19,6 @@ def test_rlbus_up_learns_addition(tiny_model: Path, tmp_path: Path) -> None:
 run = "learn"
 model_path = "{tiny_model}"
 group_size = 8
-batch_groups = 16
-
-[trainer]
-lr = 2e-4
 
 [up]
 train_tasks = 3000

@@ -35,7 +35,7 @@ FROZEN_KEYS: dict[type[Settings], list[str]] = {
     BroadcastSettings: ["instance", "transport", "keep_versions", "keep_eval_versions", "in_use_ttl"],
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
                          "refresh", "pool_mix", "route_period", "tau"],
-    UpSettings: ["train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "seed", "backend", "generators",
+    UpSettings: ["train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
                  "max_new_tokens", "temperature", "init_target", "shutdown_grace"],
 }
 
