@@ -88,7 +88,7 @@ class Monitor:
 
     @property
     def accuracy(self) -> float | None:
-        return self.evals[-1]["heldout/accuracy"] if self.evals else None
+        return self.sustained_accuracy(1)
 
     def sustained_accuracy(self, rounds: int) -> float | None:
         """Mean held-out accuracy of the latest `rounds` rounds; None until there are that many."""
