@@ -42,6 +42,11 @@ class Heartbeat(Message):
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id`` on METRICS (the wall-clock second keeps a restarted instance's seq 1 apart)."""
+        return f"hb.{self.service}.{self.instance}.{self.seq}.{int(self.ts)}"
+
 
 @dataclass(frozen=True)
 class DeadLetter(Message):

@@ -120,6 +120,11 @@ class RolloutGroup(Message):
     def group_id(self) -> str:
         return self.task.task_id
 
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id`` on ROLLOUTS: a generator that re-samples a redelivered task stores one group."""
+        return f"rollouts.{self.task.task_id}"
+
 
 @dataclass(frozen=True)
 class ScoredRollout(Message):
@@ -155,3 +160,8 @@ class ScoredGroup(Message):
     def validate(self) -> None:
         if not self.scored:
             raise invalid(self, "scored", "a scored group needs at least one rollout")
+
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id`` on SCORED: a group scored twice (a redelivered rollout group) is stored once."""
+        return f"scored.{self.task.task_id}"

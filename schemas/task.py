@@ -69,3 +69,8 @@ class Task(Message):
             raise invalid(self, "group_size", "must be in [1, 1024]", got=str(self.group_size))
         if not self.env:
             raise invalid(self, "env", "must name an environment (e.g. 'addition')")
+
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id`` on TASKS: a task published twice is stored once."""
+        return f"task.{self.task_id}"

@@ -53,3 +53,9 @@ class WeightManifest(Message):
             raise invalid(self, "version", "must be >= 0", got=str(self.version))
         if not self.shards:
             raise invalid(self, "shards", "a manifest needs at least one shard")
+
+    @property
+    def msg_id(self) -> str:
+        """Its ``Nats-Msg-Id`` on WEIGHTS: one upload and one announcement per model version."""
+        kind = "upload" if self.state == "uploaded" else "weights"
+        return f"{kind}.{self.model}.v{self.version}"

@@ -9,6 +9,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from services.catalog import SERVICES
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlbus", description="Asynchronous RL post-training over NATS JetStream.")
@@ -22,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-view", action="store_true", help="plain log lines instead of the live view")
 
     serve = sub.add_parser("serve", help="run one service")
-    serve.add_argument("service", help="generator | environment | reward | trainer | broadcast | controller")
+    serve.add_argument("service", choices=list(SERVICES), help="which service to run")
     serve.add_argument("--config", default=None, help="run config TOML")
     serve.add_argument("--nats-url", default=None, help="override [run].nats_url")
 

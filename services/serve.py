@@ -10,27 +10,9 @@ import asyncio
 import importlib
 import os
 import sys
-from dataclasses import dataclass
 
+from services.catalog import SERVICES, ServiceEntry
 from services.runtime.config import ConfigError, RunSettings, Settings, load
-
-
-@dataclass(frozen=True)
-class ServiceEntry:
-    module: str  # has ``async def run(run_cfg, cfg, *, bus, life)``
-    settings: str  # "module:Class"
-    section: str
-    torch: bool  # needs a torch thread budget
-
-
-SERVICES: dict[str, ServiceEntry] = {
-    "generator": ServiceEntry("services.generator.service", "services.generator.settings:GeneratorSettings", "generator", True),
-    "environment": ServiceEntry("services.environment.service", "services.environment.settings:EnvironmentSettings", "environment", False),
-    "reward": ServiceEntry("services.reward.service", "services.reward.settings:RewardSettings", "reward", False),
-    "trainer": ServiceEntry("services.trainer.service", "services.trainer.settings:TrainerSettings", "trainer", True),
-    "broadcast": ServiceEntry("services.broadcast.service", "services.broadcast.settings:BroadcastSettings", "broadcast", False),
-    "controller": ServiceEntry("services.controller.service", "services.controller.settings:ControllerSettings", "controller", False),
-}
 
 
 def _settings_class(path: str) -> type[Settings]:
@@ -42,7 +24,7 @@ def resolve(service: str, config: str | None) -> tuple[ServiceEntry, RunSettings
     if service not in SERVICES:
         raise ConfigError(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}")
     entry = SERVICES[service]
-    run_cfg, cfg = load(config, _settings_class(entry.settings), entry.section)
+    run_cfg, cfg = load(config, _settings_class(entry.settings), entry.name)
     return entry, run_cfg, cfg
 
 
@@ -58,8 +40,8 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
     from services.runtime.lifecycle import Lifecycle
 
     instance = getattr(cfg, "instance", "0")
-    log = configure_logging(service=entry.section, run=run_cfg.run, instance=instance)
-    configure_tracing(entry.section, instance=instance, run=run_cfg.run)
+    log = configure_logging(service=entry.name, run=run_cfg.run, instance=instance)
+    configure_tracing(entry.name, instance=instance, run=run_cfg.run)
     log.info("config", run=run_cfg.redacted(), service=cfg.redacted())
     if entry.torch:
         import torch
@@ -68,7 +50,7 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
     module = importlib.import_module(entry.module)
     life = Lifecycle()
     life.install_signal_handlers()
-    bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.section}-{instance}")
+    bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.name}-{instance}")
     try:
         await module.run(run_cfg, cfg, bus=bus, life=life)
     finally:

@@ -112,8 +112,7 @@ async def run(run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: L
         manifest = await b.accept(upload)
         if manifest is None:
             return
-        await bus.publish(subjects.weights(run_cfg.model_name), manifest.encode(),
-                          msg_id=f"weights.{manifest.model}.v{manifest.version}")
+        await bus.publish(subjects.weights(run_cfg.model_name), manifest.encode(), msg_id=manifest.msg_id)
         b.mark_published(manifest)
         beat.version = manifest.version
         log.info("weights_published", version=manifest.version, shards=len(manifest.shards))

@@ -34,7 +34,7 @@ def publish(path: str, *, pool: str, run: str, nats_url: str, group_size: int | 
                 bar = progress.add_task(f"publishing to {subjects.tasks(pool)}", total=len(tasks))
                 for start in range(0, len(tasks), 512):
                     chunk = tasks[start:start + 512]
-                    await bus.publish_many([(subjects.tasks(pool), t.encode(), f"task.{t.task_id}") for t in chunk])
+                    await bus.publish_many([(subjects.tasks(pool), t.encode(), t.msg_id) for t in chunk])
                     progress.advance(bar, len(chunk))
         finally:
             await bus.close()

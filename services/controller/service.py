@@ -89,7 +89,7 @@ async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: 
         items = []
         for t in eval_tasks:
             task = replace(t, task_id=f"eval.v{version}.{t.task_id}", metadata={**t.metadata, "eval_version": version})
-            items.append((subjects.tasks(run_cfg.eval_pool), task.encode(), f"task.{task.task_id}"))
+            items.append((subjects.tasks(run_cfg.eval_pool), task.encode(), task.msg_id))
         await bus.publish_many(items)
         d = planner.evaluate(version, len(items), why, time.time())
         await bus.publish(subjects.control_action(d.service, d.instance, d.control.action), d.control.encode(),

@@ -533,7 +533,7 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
             # Single-turn environments end after the one completion; the multi-turn loop
             # (EnvStep per turn, observations appended with loss_mask 0) plugs in here.
             for g, (d, _) in zip(groups, kept, strict=True):
-                items.append((subjects.rollouts(d.msg.pool), g.encode(), f"rollouts.{g.task.task_id}"))
+                items.append((subjects.rollouts(d.msg.pool), g.encode(), g.msg_id))
             await settle_batch(items, [d for d, _ in kept])
             gen.note_published(sum(not e for _, e in kept), sum(e for _, e in kept),
                                Counter(d.msg.pool for d, e in kept if not e))

@@ -70,7 +70,7 @@ async def run(run_cfg: RunSettings, cfg: RewardSettings, *, bus: Bus, life: Life
 
     async def handle(group: RolloutGroup, d: Delivery[RolloutGroup]) -> None:
         scored = scorer.score(group)
-        await bus.publish(subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=f"scored.{group.task.task_id}")
+        await bus.publish(subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=scored.msg_id)
 
     spec = ConsumerSpec(stream="ROLLOUTS", durable=subjects.durable("reward"),
                         filter_subjects=(subjects.all_of("rollouts"),), ack_wait=30, max_deliver=5,

@@ -35,7 +35,7 @@ class Beat:
             metrics.update(self.extra())
         hb = Heartbeat(service=self.service, instance=self.instance, seq=self.seq, ts=time.time(),
                        state=self.state, version=self.version, metrics=metrics, info=self.info)
-        await self.bus.publish(self.subject, hb.encode(), msg_id=f"hb.{self.service}.{self.instance}.{self.seq}.{int(hb.ts)}")
+        await self.bus.publish(self.subject, hb.encode(), msg_id=hb.msg_id)
 
     async def loop(self, life: Lifecycle) -> None:
         while not life.stopping.is_set():

@@ -119,8 +119,7 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         shard = await transport.write(f"weights/{run_cfg.model_name}/v{version:08d}/model.safetensors", data)
         manifest = WeightManifest(model=run_cfg.model_name, version=version, transport=cfg.transport, shards=[shard],
                                   tensors=metas, trainer_step=step, created_at=time.time(), state="uploaded")
-        await bus.publish(subjects.weight_uploads(run_cfg.model_name), manifest.encode(),
-                          msg_id=f"upload.{run_cfg.model_name}.v{version}")
+        await bus.publish(subjects.weight_uploads(run_cfg.model_name), manifest.encode(), msg_id=manifest.msg_id)
         return time.perf_counter() - t0
 
     uploading: asyncio.Task[float] | None = None

@@ -18,12 +18,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from services.catalog import SERVICES, SINGLETONS
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 from services.up.procs import Children
 from services.up.settings import UpSettings
 from services.up.tomlw import dumps
-
-SERVICE_SECTIONS = ("generator", "environment", "reward", "trainer", "broadcast", "controller")
 
 
 def ensure_model(path: Path, up_cfg: UpSettings) -> None:
@@ -98,7 +97,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     children = Children(folder / "logs")
     run_table = {**run_cfg.model_dump(), "nats_url": server.url, "run_dir": str(folder)}
     tables: dict[str, dict[str, Any]] = {"run": run_table}
-    for section in SERVICE_SECTIONS:
+    for section in SERVICES:
         tables[section] = dict(data.get(section, {}))
     tables["controller"].setdefault("eval_tasks", str(heldout) if up_cfg.eval_tasks else "")
     tables["trainer"].setdefault("max_steps", up_cfg.max_steps)
@@ -113,7 +112,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     resolved.write_text(dumps(tables) + dumps({"up": up_cfg.model_dump()}))
     code = 0
     try:
-        for name in ("environment", "reward", "broadcast", "controller", "trainer"):
+        for name in SINGLETONS:
             children.start(name, name, resolved)
         for i in range(up_cfg.generators):
             children.start(f"generator-{i}", "generator", resolved, env={"RLBUS_GENERATOR__INSTANCE": f'"gen-{i}"'})

@@ -64,7 +64,7 @@ async def feed(bus: Any, subjects: Any, tasks: list[Task], stop: asyncio.Event, 
                 if sent == 0 and epoch > 0:
                     print(f"rlbus up: epoch {epoch + 1} over the {len(tasks)} training tasks", flush=True)
                 chunk = order[sent:sent + FEED_CHUNK]
-                await bus.publish_many([(subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in chunk])
+                await bus.publish_many([(subjects.tasks(t.pool), t.encode(), t.msg_id) for t in chunk])
                 sent += len(chunk)
                 continue
             await asyncio.sleep(1.0)

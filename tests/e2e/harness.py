@@ -15,11 +15,10 @@ from bus.jetstream import JetStreamBus
 from bus.server import EmbeddedServer
 from bus.subjects import Subjects
 from schemas import Heartbeat, SchemaError
+from services.catalog import SINGLETONS
 from services.up.monitor import load_metrics
 from services.up.procs import Child, Children
 from services.up.tomlw import dumps
-
-SERVICES = ("environment", "reward", "broadcast", "controller", "trainer")  # all but the generators
 
 
 class Pipeline:
@@ -48,7 +47,7 @@ class Pipeline:
         """Every service of the run, then generators gen-0 … gen-<n-1>; ``env`` adds variables by
         process name, ``slowdown`` gives every generator a slowdown file (see ``set_slowdown``)."""
         env = env or {}
-        for name in SERVICES:
+        for name in SINGLETONS:
             self.start(name, name, env=env.get(name))
         for i in range(generators):
             self.start_generator(f"gen-{i}", slowdown=slowdown, env=env.get(f"gen-{i}"))

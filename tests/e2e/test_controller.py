@@ -54,7 +54,7 @@ async def publish_tasks(bus: JetStreamBus, run: str, pools: dict[str, int], seed
         for t in make_split("train", n, seed=seed + k):
             tasks.append(Task(run=run, task_id=f"{pool}-{t.task_id}", pool=pool, env="addition", prompt=t.prompt,
                               answer=t.answer, group_size=8))
-    await bus.publish_many([(bus.subjects.tasks(t.pool), t.encode(), f"task.{t.task_id}") for t in tasks])
+    await bus.publish_many([(bus.subjects.tasks(t.pool), t.encode(), t.msg_id) for t in tasks])
     return tasks
 
 

@@ -60,7 +60,7 @@ async def test_pipeline_survives_bad_input_late_join_and_trainer_kill(tiny_model
 
         tasks = [Task(run="faults", task_id=t.task_id, pool="train", env="addition", prompt=t.prompt, answer=t.answer,
                       group_size=8) for t in make_split("train", N_TASKS, seed=3)]
-        await bus.publish_many([(s.tasks("train"), t.encode(), f"task.{t.task_id}") for t in tasks])
+        await bus.publish_many([(s.tasks("train"), t.encode(), t.msg_id) for t in tasks])
 
         await wait_heartbeat(bus, lambda h: h.service == "broadcast" and h.version >= 3, timeout=240)
         # --- a second generator joins mid-run and serves the latest version -------------------

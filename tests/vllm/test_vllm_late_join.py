@@ -38,7 +38,7 @@ async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_m
         s = p.subjects
         tasks = [Task(run="vllmjoin", task_id=t.task_id, pool="train", env="addition", prompt=t.prompt,
                       answer=t.answer, group_size=8) for t in make_split("train", N_TASKS, seed=4)]
-        await bus.publish_many([(s.tasks("train"), t.encode(), f"task.{t.task_id}") for t in tasks])
+        await bus.publish_many([(s.tasks("train"), t.encode(), t.msg_id) for t in tasks])
         await wait_heartbeat(bus, lambda h: h.service == "broadcast" and h.version >= 2, timeout=240)
 
         latest = WeightManifest.decode(await bus.last(s.weights("policy"))).version

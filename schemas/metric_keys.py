@@ -1,0 +1,76 @@
+"""Names of the heartbeat metrics that one service emits and another reads.
+
+A ``Heartbeat`` carries path-like metric names (``trainer/groups_trained_total``).  Most are for
+people (``rlbus status``, metrics.jsonl); the ones below are also read by another service (the
+controller's admission and routing, weight-broadcast's retention, ``rlbus up``'s monitor), so
+both sides spell them from here and a test checks that every name a reader uses is emitted.
+"""
+
+from __future__ import annotations
+
+# Per-group outcomes the trainer judges (services/trainer/batch.py); ``duplicate`` is not an
+# outcome of its own (the original's outcome counts).
+OUTCOMES = ("train", "filtered", "invalid", "stale")
+# The part of ``stale`` that had passed the filter and went stale while held for a batch.
+STALE_HELD = "stale_held"
+
+
+class GeneratorKeys:
+    """Emitted by the generator; read by the controller (state.py) and ``rlbus status``."""
+
+    GROUPS_STARTED = "generator/groups_started"
+    GROUPS_PUBLISHED = "generator/groups_published"
+    GRANT_TOTAL = "generator/grant_total"  # cumulative grant of this boot (1 << 40 with admission off)
+    GROUPS_PER_S = "generator/groups_per_s"
+    CONCURRENCY = "generator/concurrency"  # groups per batch now
+    # Heartbeat ``info`` keys (not metrics): what the controller routes by.
+    INFO_BOOT = "boot"
+    INFO_POOLS = "pools"
+    INFO_SHARES = "shares"
+    INFO_MAX_BATCH_GROUPS = "max_batch_groups"
+
+    @staticmethod
+    def pool_published(pool: str) -> str:
+        return f"generator/pool/{pool}/published"
+
+    @staticmethod
+    def parse_pool_published(key: str) -> str | None:
+        """The pool of a ``pool_published`` key, None for any other key."""
+        parts = key.split("/")
+        if len(parts) == 4 and parts[:2] == ["generator", "pool"] and parts[3] == "published":
+            return parts[2]
+        return None
+
+
+class TrainerKeys:
+    """Emitted by the trainer; read by the controller (state.py), ``rlbus up`` and ``rlbus status``."""
+
+    VERSION = "trainer/version"
+    STEP = "trainer/step"
+    GROUPS_TRAINED_TOTAL = "trainer/groups_trained_total"
+    GROUPS_DROPPED_TOTAL = "trainer/groups_dropped_total"
+    PENDING_GROUPS = "trainer/pending_groups"  # kept, waiting for the next batch (now)
+    IDLE_FRACTION = "trainer/idle_fraction"  # of wall time since start
+    IDLE_S = "trainer/idle_s"  # cumulative seconds waiting for a batch (this process)
+
+    @staticmethod
+    def groups(outcome: str) -> str:
+        """Groups of one outcome (``OUTCOMES`` or ``STALE_HELD``) judged by this process."""
+        return f"trainer/groups_{outcome}"
+
+    @staticmethod
+    def pool_groups(pool: str, outcome: str) -> str:
+        return f"trainer/pool/{pool}/groups_{outcome}"
+
+    @staticmethod
+    def generator_groups(instance: str, outcome: str) -> str:
+        return f"trainer/generator/{instance}/groups_{outcome}"
+
+    @staticmethod
+    def parse_breakdown(key: str) -> tuple[str, str, str] | None:
+        """``("pool" | "generator", name, outcome)`` of a breakdown key, None for any other key."""
+        parts = key.split("/")
+        if len(parts) == 4 and parts[0] == "trainer" and parts[1] in ("pool", "generator") \
+                and parts[3].startswith("groups_"):
+            return parts[1], parts[2], parts[3].removeprefix("groups_")
+        return None
