@@ -1,5 +1,7 @@
 """Bus benchmark: JetStreamBus against raw nats-py, measured in the same run on the same server.
 
+The raw side is ``bus.baseline.RawClient`` (only ``bus/`` imports nats).
+
 Prints one JSON object.  Sections:
 - ``rollouts``: publish + consume of encoded ``schemas.RolloutGroup`` messages (~4 KiB and
   ~1 MiB) through ``JetStreamBus.publish_many``/``consume`` vs raw ``publish_async`` +
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import os
 import platform
@@ -77,7 +78,7 @@ async def bench_bus_rollouts(bus: Any, payload: bytes, n: int, batch: int, tag: 
 
     spec = ConsumerSpec(stream="ROLLOUTS", durable=f"reward_{pool}", filter_subjects=(s.rollouts(pool),),
                         ack_wait=60, max_ack_pending=max(4 * batch, 1000))
-    await bus._ensure_consumer(spec)  # created before the clock starts, as the raw side's is
+    await bus.connection.ensure_consumer(spec)  # created before the clock starts, as the raw side's is
     t0 = time.perf_counter()
     task = asyncio.create_task(bus.consume(spec, decode, handler, batch=batch))
     await asyncio.wait_for(done.wait(), timeout=600)
@@ -90,37 +91,8 @@ async def bench_bus_rollouts(bus: Any, payload: bytes, n: int, batch: int, tag: 
     return {"publish_msgs_s": n / t_pub, "consume_msgs_s": n / t_con}
 
 
-async def bench_raw_rollouts(js: Any, payload: bytes, n: int, batch: int, tag: str,
-                             decode: Any) -> dict[str, float]:
-    from nats.js import api
-
-    stream = f"RAWBENCH_{tag}"
-    subject = f"rawbench.{tag}"
-    await js.add_stream(name=stream, subjects=[subject], retention=api.RetentionPolicy.WORK_QUEUE,
-                        duplicate_window=600.0)
-    t0 = time.perf_counter()
-    futs = [await js.publish_async(subject, payload) for _ in range(n)]
-    await asyncio.gather(*futs)
-    t_pub = time.perf_counter() - t0
-
-    sub = await js.pull_subscribe(subject, durable=f"raw_{tag}", stream=stream,
-                                  config=api.ConsumerConfig(ack_wait=60, max_ack_pending=max(4 * batch, 1000)))
-    t0 = time.perf_counter()
-    count = 0
-    while count < n:
-        msgs = await sub.fetch(batch, timeout=5)
-        for m in msgs:
-            decode(m.data)
-            await m.ack()
-            count += 1
-    t_con = time.perf_counter() - t0
-    await js.delete_stream(stream)
-    return {"publish_msgs_s": n / t_pub, "consume_msgs_s": n / t_con}
-
-
 async def rollouts_section(url: str, quick: bool) -> dict[str, Any]:
-    import nats
-
+    from bus.baseline import RawClient
     from bus.jetstream import JetStreamBus
     from schemas import RolloutGroup
 
@@ -131,8 +103,7 @@ async def rollouts_section(url: str, quick: bool) -> dict[str, Any]:
     # "decoded": every message decoded as a RolloutGroup (what a service does); "bytes": identity
     # decode, so the ratio shows the bus's own overhead rather than being diluted by decoding.
     decoders = {"decoded": RolloutGroup.decode, "bytes": bytes}
-    nc = await nats.connect(url, pending_size=64 * MiB)
-    js = nc.jetstream()
+    raw_client = await RawClient.connect(url, pending_size=64 * MiB)
     bus = await JetStreamBus.connect(url, "bench", name="bench")
     out: dict[str, Any] = {}
     try:
@@ -142,7 +113,7 @@ async def rollouts_section(url: str, quick: bool) -> dict[str, Any]:
                 raw_runs, bus_runs = [], []
                 for rep in range(3):  # interleaved, best of three: the machine is shared and noisy
                     tag = f"{label}_{mode}_{rep}"
-                    raw_runs.append(await bench_raw_rollouts(js, payload, n, batch, tag, decode))
+                    raw_runs.append(await raw_client.rollouts(payload, n, batch, tag, decode))
                     bus_runs.append(await bench_bus_rollouts(bus, payload, n, batch, tag, decode))
                 raw = {k: best([r[k] for r in raw_runs]) for k in raw_runs[0]}
                 via = {k: best([r[k] for r in bus_runs]) for k in bus_runs[0]}
@@ -156,7 +127,7 @@ async def rollouts_section(url: str, quick: bool) -> dict[str, Any]:
                 }
     finally:
         await bus.close()
-        await nc.close()
+        await raw_client.close()
     return out
 
 
@@ -196,8 +167,7 @@ async def _timed(coro: Any, limit: float) -> float | None:
 
 
 async def object_section(url: str, quick: bool) -> dict[str, Any]:
-    import nats
-
+    from bus.baseline import RawClient
     from bus.jetstream import JetStreamBus
 
     size = (64 if quick else 512) * MiB
@@ -207,12 +177,7 @@ async def object_section(url: str, quick: bool) -> dict[str, Any]:
     stock_size = min(size, 64 * MiB)
     data = os.urandom(size)
     bus = await JetStreamBus.connect(url, "bench_obj", name="bench-obj")
-
-    async def quiet(exc: Exception) -> None:
-        pass
-
-    nc = await nats.connect(url, error_cb=quiet)
-    js = nc.jetstream()
+    raw_client = await RawClient.connect(url, quiet=True)
     try:
         t0 = time.perf_counter()
         await bus.objects.put("weights/bench", data)
@@ -226,11 +191,10 @@ async def object_section(url: str, quick: bool) -> dict[str, Any]:
             if len(got) != size:
                 raise RuntimeError("bus reader returned the wrong size")
             del got
-        stock = await js.object_store(bus.objects.bucket)
-        stock_into_s = await _timed(stock.get("weights/bench", writeinto=io.BytesIO()), 300)
-        stock_s = await _timed(stock.get("weights/bench_small"), 300)
+        stock_into_s = await _timed(raw_client.stock_get_into(bus.objects.bucket, "weights/bench"), 300)
+        stock_s = await _timed(raw_client.stock_get(bus.objects.bucket, "weights/bench_small"), 300)
     finally:
-        await nc.close()
+        await raw_client.close()
         await bus.close()
     src = np.frombuffer(data, dtype=np.uint8)
     dst = np.empty_like(src)

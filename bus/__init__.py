@@ -7,7 +7,15 @@ Public names:
 - ``MemoryBus`` for handler tests; ``EmbeddedServer`` for ``rlbus up``/``rlbus nats``/tests;
 - ``Subjects``: every subject, stream, durable and bucket name of a run.
 
-``bus.jetstream``/``bus.server`` are imported lazily so importing ``bus`` stays cheap.
+``bus.jetstream``/``bus.memory``/``bus.server`` are imported lazily so importing ``bus`` stays cheap.
+
+Inside the package: ``JetStreamBus`` (``bus.jetstream``) is a thin front over one ``Connection``
+(``bus.connection``: the nats client, streams, publisher, claim check, dead letters, background
+tasks); ``bus.consume`` (the consume loop), ``bus.puller`` and ``bus.watch`` work only through
+the connection's public methods.  Both buses share the decode step and the handler outcome rules
+(``bus.outcome``), dead-letter records (``bus.deadletter``) and header checks (``bus.headers``);
+``bus.heartbeat`` keeps held deliveries alive on the real server.  ``bus.baseline`` is the raw
+nats-py client the bus benchmark compares against.
 """
 
 from __future__ import annotations
@@ -15,7 +23,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from bus.connect import open_bus
-from bus.memory import MemoryBus
 from bus.protocol import (
     Bus,
     BusClosed,
@@ -40,6 +47,7 @@ from bus.subjects import SubjectError, Subjects
 
 if TYPE_CHECKING:
     from bus.jetstream import JetStreamBus
+    from bus.memory import MemoryBus
     from bus.server import EmbeddedServer, ServerError
 
 __all__ = [
@@ -55,6 +63,10 @@ def __getattr__(name: str) -> Any:
         from bus.jetstream import JetStreamBus
 
         return JetStreamBus
+    if name == "MemoryBus":
+        from bus.memory import MemoryBus
+
+        return MemoryBus
     if name in ("EmbeddedServer", "ServerError", "run_foreground"):
         import bus.server as server
 

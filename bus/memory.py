@@ -1,17 +1,43 @@
-"""``MemoryBus``: the ``Bus`` Protocol in one process, for handler tests.
+"""``MemoryBus``: the ``Bus`` Protocol in one process, for handler and service tests.
 
-What it models faithfully: publish dedupe by msg id (forever, not a time window); work-queue
-streams (a message leaves when acked or terminated) and limits streams (kept; each durable
-keeps its own position); the handler outcomes of ``JetStreamBus.consume`` (return -> ack,
-``Retry`` -> redelivered with ``deliveries`` + 1 after its delay, ``Poison`` -> dead letter,
-a decode error -> dead letter with the error text and the handler never called, any other
-exception -> redelivered until ``max_deliver``, then dead-lettered with reason
-``max_deliveries``); pullers; request/serve; watch/last; an object store that verifies sha256.
+It keeps the promises that ``tests/integration/test_bus_contract.py`` checks against both this
+bus and a real JetStream server.  What it models:
 
-What it does not pretend to model: ``ack_wait`` (an unsettled delivery stays in flight until it
-is settled — no timed redelivery, no heartbeats needed), byte limits, max_payload and claim
-checks, server restarts, ``max_ack_pending``, retention limits (max age, last N per subject).
-Delivery semantics are tested against a real server in ``tests/integration``.
+- publishing: the same header checks as the real bus (``bus.headers``: msg id required, no
+  CR/LF, a header byte budget) and trace context in the headers; dedupe by msg id (forever, not
+  within a time window); ``publish_many`` is a loop of ``publish``;
+- streams: work queues (TASKS, ROLLOUTS: a message leaves when acked, terminated or dead-lettered)
+  and limits streams (kept; each durable keeps its own position, ``deliver_policy`` included);
+  durables with overlapping filters on a work-queue stream are refused (``BusConfigError``),
+  as are two specs for one durable;
+- consuming, with the real bus's decode step and outcome rules (``bus.outcome``): return ->
+  ack; ``Retry`` -> redelivered after its delay with ``deliveries`` + 1; ``Poison`` -> dead
+  letter with the reason and the original bytes; a decode error -> dead letter with the
+  decoder's error, handler never called; any other exception -> redelivered after
+  ``error_backoff`` (default ``(0, 0)``, so tests do not wait) until ``max_deliver``, then dead
+  letter with reason ``max_deliveries`` and the last error; ``concurrency`` handlers at a time;
+  several consume loops or pullers of one durable share its messages (each handled once);
+  cancelling ``consume`` gives running handlers ``shutdown_grace`` (default 10 s, as the real
+  bus) to finish, then cancels them (-> nak); closing the bus under a ``consume`` makes it raise
+  ``BusClosed``;
+- pullers: ``fetch`` returns what is there now or waits up to ``timeout``; a fetched delivery
+  is in flight (not handed out again) until settled; ``pending()`` counts messages never yet
+  delivered, as JetStream's ``num_pending`` does;
+- ``request``/``serve`` (no responders, a responder's exception and a timeout all raise
+  ``RequestFailed``), ``watch`` (``new``/``last_per_subject``/``all``, from the first
+  ``__anext__``, as the real ordered consumer is created then) and ``last``;
+- an object store that verifies sha256 (``objects.corrupt`` breaks an object for a test);
+- ``streams()`` with per-durable ``pending``, ``ack_pending`` (delivered, not yet settled, naked
+  ones waiting for redelivery included) and ``redelivered``.
+
+What it does not model: ``ack_wait`` (an unsettled delivery stays in flight until it is
+settled: no timed redelivery, so heartbeats are accepted and ignored), ``max_ack_pending``,
+byte limits, ``max_payload`` and claim checks (any size is stored as is), server restarts and
+reconnects, retention limits (max age, last N per subject), the duplicate window's expiry, a
+request timeout that leaves the responder running (here the responder is cancelled), and
+ordering across subjects under concurrency.  Those are tested against a real server only
+(``tests/integration/test_bus_*.py``).  Test helpers: ``dead_letters`` (decoded ``DeadLetter``
+messages, in order) and ``messages(kind)`` (what a stream holds).
 """
 
 from __future__ import annotations
@@ -24,6 +50,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
+from bus.headers import publish_headers
+from bus.outcome import Outcomes, decoded
 from bus.protocol import (
     BusClosed,
     BusConfigError,
@@ -35,15 +64,17 @@ from bus.protocol import (
     Handler,
     ObjectInfo,
     ObjectNotFound,
-    Poison,
     RequestFailed,
-    Retry,
     StreamState,
 )
-from bus.routing import WORK_QUEUES, origin_token, stream_kind_of, subject_matches
+from bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
 from bus.subjects import STREAM_KINDS, Subjects
+from observability.logging import get_logger
+from observability.tracing import send_span
 
 T = TypeVar("T")
+
+IDLE_WAIT_S = 3600.0  # nothing due: wait for a publish or a settlement, which wake the loops
 
 
 @dataclass
@@ -58,6 +89,7 @@ class _Stored:
 @dataclass
 class _Durable:
     spec: ConsumerSpec
+    stream: str  # the stream's name on a real server, for dead-letter ids
     start_seq: int  # first sequence this durable may see
     done: set[int] = field(default_factory=set)  # acked/termed (limits streams)
     inflight: set[int] = field(default_factory=set)
@@ -66,8 +98,13 @@ class _Durable:
     last_error: dict[int, str] = field(default_factory=dict)
     parked: set[int] = field(default_factory=set)  # reached max_deliver (dead-lettered)
 
+    def note_error(self, d: Delivery[Any], error: str) -> None:
+        self.last_error[d.stream_seq] = error
+
 
 class _MemSettle:
+    """``bus.outcome.Settle`` for one in-memory delivery: settles it at most once."""
+
     def __init__(self, bus: MemoryBus, durable: _Durable, stored: _Stored) -> None:
         self.bus, self.durable, self.stored = bus, durable, stored
         self.settled = False
@@ -91,8 +128,8 @@ class _MemSettle:
         if self._finish():
             await self.bus._dead(self.durable, self.stored, reason=reason, error=error)
 
-    async def in_progress(self, d: Delivery[Any]) -> None:
-        return None
+    async def in_progress(self, d: Delivery[Any] | None = None) -> None:
+        return None  # no ack_wait here: nothing to reset
 
 
 class _MemPuller:
@@ -100,6 +137,9 @@ class _MemPuller:
         self.bus, self.spec, self.decode = bus, spec, decode
 
     async def fetch(self, max_msgs: int, timeout: float) -> list[Delivery[Any]]:
+        self.bus._check_open()
+        if max_msgs < 1:
+            return []
         durable = self.bus._durable(self.spec)
         deadline = time.monotonic() + timeout
         while True:
@@ -112,30 +152,49 @@ class _MemPuller:
                 if d is not None:
                     out.append(d)
             remaining = deadline - time.monotonic()
-            if out or remaining <= 0:
+            if out or remaining <= 0 or self.bus._closed:
                 return out
             await self.bus._wait(min(remaining, self.bus._next_due(durable)))
 
     async def pending(self) -> int:
-        durable = self.bus._durable(self.spec)
-        return sum(1 for s in self.bus._candidates(durable) if s.seq not in durable.inflight)
+        return self.bus._pending(self.bus._durable(self.spec))
+
+
+class _NoopSettle:
+    """Watched deliveries need no settling."""
+
+    settled = True
+
+    async def ack(self, d: Any) -> None: ...
+    async def nak(self, d: Any, delay: float = 0.0) -> None: ...
+    async def term(self, d: Any, reason: str, *, error: str = "terminated") -> None: ...
+    async def in_progress(self, d: Any) -> None: ...
 
 
 class _MemWatch:
+    """A watch: starts at its first ``__anext__``, like the real bus's ordered consumer."""
+
     def __init__(self, bus: MemoryBus, subject: str, deliver: str) -> None:
-        self.bus, self.subject = bus, subject
-        self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        kind = stream_kind_of(subject)
-        existing = [s for s in bus._streams[kind] if subject_matches(subject, s.subject)]
-        if deliver == "all":
+        if deliver not in ("new", "last_per_subject", "all"):
+            raise BusError(f"watch deliver={deliver!r}: use 'new', 'last_per_subject' or 'all'")
+        self.bus, self.subject, self.deliver = bus, subject, deliver
+        self.kind = stream_kind_of(subject)
+        self.queue: asyncio.Queue[_Stored | None] = asyncio.Queue()
+        self.started = False
+        self.closed = False
+
+    def _start(self) -> None:
+        self.started = True
+        existing = [s for s in self.bus._streams[self.kind] if subject_matches(self.subject, s.subject)]
+        if self.deliver == "all":
             initial = existing
-        elif deliver == "last_per_subject":
+        elif self.deliver == "last_per_subject":
             initial = list({s.subject: s for s in existing}.values())
         else:
             initial = []
         for s in sorted(initial, key=lambda s: s.seq):
             self.queue.put_nowait(s)
-        bus._watches.append(self)
+        self.bus._watches.append(self)
 
     def offer(self, s: _Stored) -> None:
         if subject_matches(self.subject, s.subject):
@@ -145,6 +204,10 @@ class _MemWatch:
         return self
 
     async def __anext__(self) -> Delivery[bytes]:
+        if self.closed and self.queue.empty():
+            raise StopAsyncIteration
+        if not self.started and not self.closed:
+            self._start()
         s = await self.queue.get()
         if s is None:
             raise StopAsyncIteration
@@ -152,16 +215,18 @@ class _MemWatch:
                         headers=dict(s.headers), _settle=_NoopSettle())
 
     async def aclose(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         if self in self.bus._watches:
             self.bus._watches.remove(self)
         self.queue.put_nowait(None)
 
+    async def __aenter__(self) -> _MemWatch:
+        return self
 
-class _NoopSettle:
-    async def ack(self, d: Any) -> None: ...
-    async def nak(self, d: Any, delay: float = 0.0) -> None: ...
-    async def term(self, d: Any, reason: str) -> None: ...
-    async def in_progress(self, d: Any) -> None: ...
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
 
 class MemoryObjectStore:
@@ -195,11 +260,15 @@ class MemoryObjectStore:
 
 
 class MemoryBus:
-    """In-process ``Bus`` for handler tests; see the module docstring for what it models."""
+    """In-process ``Bus`` for tests; see the module docstring for what it models and what not."""
 
-    def __init__(self, run: str = "test", *, name: str = "memory") -> None:
+    def __init__(self, run: str = "test", *, name: str = "memory", error_backoff: tuple[float, float] = (0.0, 0.0),
+                 shutdown_grace: float = 10.0) -> None:
         self.subjects = Subjects(run)
         self.name = name
+        self.error_backoff = error_backoff
+        self.shutdown_grace = shutdown_grace
+        self.log = get_logger(component="bus", bus=name, run=run)
         self._seq = itertools.count(1)
         self._streams: dict[str, list[_Stored]] = {k: [] for k in STREAM_KINDS}
         self._ids: dict[str, set[str]] = {k: set() for k in STREAM_KINDS}
@@ -214,23 +283,21 @@ class MemoryBus:
     # --- publish ---------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise BusClosed("memory bus is closed")
+            raise BusClosed(f"bus {self.name!r} is closed")
 
     async def publish(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> None:
         self._check_open()
-        if not msg_id:
-            raise BusError("every publish needs a msg_id (it is what makes retries safe)")
-        kind = stream_kind_of(subject)
-        if msg_id in self._ids[kind]:
-            return
-        self._ids[kind].add(msg_id)
-        h = dict(headers or {})
-        h["Nats-Msg-Id"] = msg_id
-        s = _Stored(next(self._seq), subject, bytes(data), msg_id, h)
-        self._streams[kind].append(s)
-        for w in list(self._watches):
-            w.offer(s)
-        self._notify()
+        with send_span(subject, msg_id=msg_id):
+            h = publish_headers(msg_id, headers)
+            kind = stream_kind_of(subject)
+            if msg_id in self._ids[kind]:
+                return
+            self._ids[kind].add(msg_id)
+            s = _Stored(next(self._seq), subject, bytes(data), msg_id, h)
+            self._streams[kind].append(s)
+            for w in list(self._watches):
+                w.offer(s)
+            self._notify()
 
     async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *,
                            headers: dict[str, str] | None = None) -> None:
@@ -254,25 +321,34 @@ class MemoryBus:
         key = (spec.stream, spec.durable)
         d = self._durables.get(key)
         if d is None:
+            if not spec.filter_subjects:
+                raise BusConfigError(f"consumer {spec.durable!r} needs at least one filter subject")
             if spec.stream in WORK_QUEUES:
-                for other in self._durables.values():
-                    if other.spec.stream == spec.stream and any(
-                        subject_matches(a, b) or subject_matches(b, a)
-                        for a in other.spec.filter_subjects for b in spec.filter_subjects
-                    ):
-                        raise BusConfigError(
-                            f"durable {spec.durable!r} overlaps {other.spec.durable!r} on work-queue stream {spec.stream}"
-                        )
+                self._refuse_overlap(spec)
             start = 0 if spec.deliver_policy != "new" else next(self._seq)
-            d = _Durable(spec, start)
+            d = _Durable(spec, self.subjects.stream(spec.stream), start)
             if spec.deliver_policy == "last_per_subject":
                 last = {s.subject: s.seq for s in self._streams[spec.stream] if self._matches(spec, s)}
                 d.done.update(s.seq for s in self._streams[spec.stream]
                               if self._matches(spec, s) and s.seq != last[s.subject])
             self._durables[key] = d
         elif d.spec != spec:
-            raise BusConfigError(f"durable {spec.durable!r} on {spec.stream} exists with a different spec")
+            raise BusConfigError(
+                f"durable {spec.durable!r} on stream {spec.stream} exists with a different configuration "
+                f"({d.spec} vs {spec}); use one spec per durable or a new run name"
+            )
         return d
+
+    def _refuse_overlap(self, spec: ConsumerSpec) -> None:
+        for other in self._durables.values():
+            if other.spec.stream == spec.stream and any(
+                subject_matches(a, b) or subject_matches(b, a)
+                for a in other.spec.filter_subjects for b in spec.filter_subjects
+            ):
+                raise BusConfigError(
+                    f"durable {spec.durable!r} overlaps {other.spec.durable!r} on work-queue stream {spec.stream}: "
+                    "a work-queue stream allows one consumer per subject; give each pool its own durable"
+                )
 
     @staticmethod
     def _matches(spec: ConsumerSpec, s: _Stored) -> bool:
@@ -281,6 +357,9 @@ class MemoryBus:
     def _candidates(self, d: _Durable) -> list[_Stored]:
         return [s for s in self._streams[d.spec.stream]
                 if s.seq >= d.start_seq and s.seq not in d.done and s.seq not in d.parked and self._matches(d.spec, s)]
+
+    def _pending(self, d: _Durable) -> int:
+        return sum(1 for s in self._candidates(d) if s.seq not in d.deliveries)
 
     def _next(self, d: _Durable) -> _Stored | None:
         now = time.monotonic()
@@ -294,7 +373,7 @@ class MemoryBus:
     def _next_due(self, d: _Durable) -> float:
         now = time.monotonic()
         dues = [t - now for t in d.not_before.values() if t > now]
-        return min(dues) if dues else 3600.0
+        return min(dues) if dues else IDLE_WAIT_S
 
     def _remove(self, d: _Durable, seq: int) -> None:
         if d.spec.stream in WORK_QUEUES:
@@ -307,32 +386,30 @@ class MemoryBus:
     async def _redeliver(self, d: _Durable, s: _Stored, delay: float) -> None:
         if d.deliveries.get(s.seq, 0) >= d.spec.max_deliver:
             d.parked.add(s.seq)  # where the server stops and emits the max-deliveries advisory
-            await self._dead(d, s, reason="max_deliveries", error=d.last_error.get(
-                s.seq, f"delivered {d.deliveries[s.seq]} times without an ack"))
+            error = d.last_error.pop(s.seq, None) or never_acked(d.deliveries[s.seq])
+            await self._dead(d, s, reason="max_deliveries", error=error)
             return
         if delay > 0:
             d.not_before[s.seq] = time.monotonic() + delay
+        else:
+            d.not_before.pop(s.seq, None)
         self._notify()
 
-    async def _dead(self, d: _Durable, s: _Stored, *, reason: str, error: str, remove: bool = True) -> None:
+    async def _dead(self, d: _Durable, s: _Stored, *, reason: str, error: str) -> None:
         await self.dead_letter(s.subject, s.data, error=error, reason=reason, deliveries=d.deliveries.get(s.seq, 1),
-                               headers=s.headers, msg_id=f"dead.{d.spec.stream}.{s.seq}", stream_seq=s.seq)
-        if remove:
-            self._remove(d, s.seq)
+                               headers=s.headers, msg_id=dead_letter_id(d.stream, s.seq), stream_seq=s.seq)
+        self._remove(d, s.seq)
 
     async def _delivery(self, d: _Durable, s: _Stored, decode: Callable[[bytes], Any]) -> Delivery[Any] | None:
-        settle = _MemSettle(self, d, s)
-        try:
-            msg = decode(s.data)
-        except Exception as exc:  # noqa: BLE001 - any decoder failure is permanent for these bytes
-            reason = "schema_error" if type(exc).__name__ == "SchemaError" else "decode_error"
-            settle.settled = True
-            d.inflight.discard(s.seq)
-            await self._dead(d, s, reason=reason, error=f"{type(exc).__name__}: {exc}")
-            return None
-        return Delivery(msg=msg, subject=s.subject, msg_id=s.msg_id, deliveries=d.deliveries[s.seq],
-                        stream_seq=s.seq, headers=dict(s.headers), _settle=settle)
+        raw: Delivery[bytes] = Delivery(msg=s.data, subject=s.subject, msg_id=s.msg_id, deliveries=d.deliveries[s.seq],
+                                        stream_seq=s.seq, headers=dict(s.headers), _settle=_MemSettle(self, d, s))
+        return await decoded(raw, decode, self.log)
 
+    def backoff(self, deliveries: int) -> float:
+        base, cap = self.error_backoff
+        return float(min(base * 2 ** max(deliveries - 1, 0), cap))
+
+    # --- consume -----------------------------------------------------------------------
     def puller(self, spec: ConsumerSpec, decode: Callable[[bytes], T], *, heartbeat: bool = True) -> _MemPuller:
         self._check_open()
         self._durable(spec)
@@ -340,46 +417,58 @@ class MemoryBus:
 
     async def consume(self, spec: ConsumerSpec, decode: Callable[[bytes], T], handler: Handler[T], *,
                       batch: int = 16, concurrency: int = 1) -> None:
-        """Handle messages until cancelled (or the bus closes); one at a time, in order."""
+        """Handle messages until cancelled; ``concurrency`` at a time; on cancel, running
+        handlers get ``shutdown_grace``; raises ``BusClosed`` when the bus closes."""
+        self._check_open()
+        if batch < 1 or concurrency < 1:
+            raise BusError(f"batch ({batch}) and concurrency ({concurrency}) must be >= 1")
         durable = self._durable(spec)
-        while not self._closed:
-            s = self._next(durable)
-            if s is None:
-                await self._wait(self._next_due(durable))
-                continue
-            d = await self._delivery(durable, s, decode)
-            if d is None:
-                continue
-            settle: _MemSettle = d._settle
-            try:
-                await handler(d.msg, d)
-            except Retry as r:
-                await settle.nak(d, r.delay)
-            except Poison as p:
-                await settle.term(d, p.reason, error="Poison")
-            except asyncio.CancelledError:
-                await settle.nak(d, 0.0)
-                raise
-            except Exception as exc:  # noqa: BLE001 - as on the real bus: retried, then dead-lettered
-                durable.last_error[s.seq] = f"{type(exc).__name__}: {exc}"
-                await settle.nak(d, 0.0)
-            else:
-                if not settle.settled:
-                    await settle.ack(d)
+        outcomes: Outcomes[T] = Outcomes(handler, durable=spec.durable, max_deliver=spec.max_deliver,
+                                         backoff=self.backoff, note_error=durable.note_error, log=self.log)
+        running: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                if self._closed:
+                    raise BusClosed(f"bus {self.name!r} closed while consuming {spec.durable!r}")
+                if len(running) >= concurrency:
+                    await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                s = self._next(durable)
+                if s is None:
+                    await self._wait(self._next_due(durable))
+                    continue
+                d = await self._delivery(durable, s, decode)
+                if d is not None:
+                    task = asyncio.create_task(self._handle(outcomes, d), name=f"handler-{spec.durable}")
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+        finally:
+            await self._stop_handlers(running)
+
+    async def _handle(self, outcomes: Outcomes[Any], d: Delivery[Any]) -> None:
+        try:
+            await outcomes.run(d)
+        except BusClosed:
+            pass  # the consume loop sees the closed bus and raises it
+
+    async def _stop_handlers(self, running: set[asyncio.Task[None]]) -> None:
+        """The graceful stop: running handlers get ``shutdown_grace``, then are cancelled (-> nak)."""
+        if not running:
+            return
+        await asyncio.wait(running, timeout=self.shutdown_grace)
+        for t in running:
+            t.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
     # --- dead letters ----------------------------------------------------------------
     async def dead_letter(self, origin_subject: str, data: bytes, *, error: str, reason: str, deliveries: int = 1,
                           headers: dict[str, str] | None = None, msg_id: str | None = None,
                           stream_seq: int = 0) -> None:
-        from schemas import DeadLetter
-
-        letter = DeadLetter(origin_subject=origin_subject, error=error, reason=reason, data=bytes(data),
-                            deliveries=deliveries, headers=dict(headers or {}), service=self.name,
-                            stream_seq=stream_seq, ts=time.time())
-        if msg_id is None:
-            msg_id = "dead." + hashlib.sha256(f"{origin_subject}\0{reason}\0{error}\0".encode() + bytes(data)).hexdigest()[:32]
+        subject, letter, msg_id = build_dead_letter(
+            self.subjects, origin_subject, data, error=error, reason=reason, deliveries=deliveries,
+            headers=headers, service=self.name, msg_id=msg_id, stream_seq=stream_seq)
         before = len(self._streams["DEAD"])
-        await self.publish(self.subjects.dead(origin_token(origin_subject)), letter.encode(), msg_id=msg_id)
+        await self.publish(subject, letter.encode(), msg_id=msg_id)
         if len(self._streams["DEAD"]) > before:
             self.dead_letters.append(letter)
 
@@ -408,6 +497,7 @@ class MemoryBus:
         return _MemWatch(self, subject, deliver)
 
     async def last(self, subject: str) -> bytes | None:
+        self._check_open()
         for s in reversed(self._streams[stream_kind_of(subject)]):
             if s.subject == subject:
                 return s.data
@@ -426,16 +516,15 @@ class MemoryBus:
         out = []
         for kind in STREAM_KINDS:
             msgs = self._streams[kind]
-            consumers = tuple(
-                ConsumerState(name=d.spec.durable,
-                              pending=sum(1 for s in self._candidates(d) if s.seq not in d.inflight),
-                              ack_pending=len(d.inflight), redelivered=sum(1 for n in d.deliveries.values() if n > 1),
-                              waiting=0)
-                for (k, _), d in self._durables.items() if k == kind
-            )
+            consumers = tuple(self._consumer_state(d) for (k, _), d in self._durables.items() if k == kind)
             out.append(StreamState(name=self.subjects.stream(kind), subjects=(self.subjects.all_of(kind.lower()),),
                                    messages=len(msgs), bytes=sum(len(s.data) for s in msgs), consumers=consumers))
         return out
+
+    def _consumer_state(self, d: _Durable) -> ConsumerState:
+        unsettled = [s.seq for s in self._candidates(d) if s.seq in d.deliveries]
+        return ConsumerState(name=d.spec.durable, pending=self._pending(d), ack_pending=len(unsettled),
+                             redelivered=sum(1 for seq in unsettled if d.deliveries[seq] > 1), waiting=0)
 
     async def close(self) -> None:
         if self._closed:

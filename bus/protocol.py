@@ -2,8 +2,10 @@
 
 Services never see a NATS object: they publish bytes with a message id, pull decoded messages
 with explicit outcomes, answer requests, and read the object store.  Two implementations
-exist: ``bus.jetstream.JetStreamBus`` (real server; delivery semantics are tested there) and
-``bus.memory.MemoryBus`` (handler tests only; it does not pretend to model redelivery timing).
+exist: ``bus.jetstream.JetStreamBus`` (real server) and ``bus.memory.MemoryBus`` (in process,
+for tests; its docstring lists what it does not model, e.g. ack_wait redelivery).  One contract
+suite, ``tests/integration/test_bus_contract.py``, runs against both; both apply the outcome
+rules below through the same code (``bus.outcome``).
 
 Ack outcomes are explicit (see ``Retry`` and ``Poison``): a handler that returns normally
 acks, ``Retry(delay)`` naks with a delay, ``Poison(reason)`` terminates the message and

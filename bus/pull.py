@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,8 +40,11 @@ class PullStatus:
 class PullInbox:
     """One consumer's pull requests and the messages they bring, buffered in arrival order."""
 
-    def __init__(self, nc: Any, api_prefix: str, stream: str, consumer: str) -> None:
+    def __init__(self, nc: Any, api_prefix: str, stream: str, consumer: str, *,
+                 on_message: Callable[[Msg], None] | None = None) -> None:
         self._nc = nc
+        # Told of every message as it lands in the buffer (a consumer's heartbeat starts there).
+        self._on_message = on_message
         self.stream = stream
         self.consumer = consumer
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -84,6 +88,8 @@ class PullInbox:
         else:
             self.buffer.append(msg)
             self.received += 1
+            if self._on_message is not None:
+                self._on_message(msg)
         self._changed.set()
 
     async def request(self, batch: int, *, expires: float | None, max_bytes: int = 0,

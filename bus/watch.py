@@ -2,43 +2,31 @@
 
 Used for weight-version events, control decisions and metrics: no durable state, no acks, the
 server re-creates the consumer from the last seen sequence after a gap or a reconnect.  Claim
-checks are resolved before a delivery is handed out.
+checks are resolved before a delivery is handed out.  The consumer is created when iteration
+starts (``watch()`` itself is synchronous), so ``deliver="new"`` means new from the first
+``__anext__`` and ``"last_per_subject"`` the last per subject as of then.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from nats.aio.msg import Msg
-from nats.js import api
-
+from bus.connection import Connection
 from bus.protocol import BusError, Delivery
 from bus.routing import stream_kind_of
-
-if TYPE_CHECKING:
-    from bus.jetstream import JetStreamBus
-
-MiB = 1024 * 1024
-
-_DELIVER = {
-    "new": api.DeliverPolicy.NEW,
-    "last_per_subject": api.DeliverPolicy.LAST_PER_SUBJECT,
-    "all": api.DeliverPolicy.ALL,
-}
 
 
 class _NoSettle:
     """Watched (ephemeral, ack-none) deliveries need no settling."""
 
+    settled = True
+
     async def ack(self, d: Any) -> None: ...
     async def nak(self, d: Any, delay: float = 0.0) -> None: ...
-    async def term(self, d: Any, reason: str) -> None: ...
+    async def term(self, d: Any, reason: str, *, error: str = "terminated") -> None: ...
     async def in_progress(self, d: Any) -> None: ...
-
-
-_NO_SETTLE = _NoSettle()
-_CLOSED = object()
 
 
 _NO_SETTLE = _NoSettle()
@@ -48,10 +36,15 @@ _CLOSED = object()
 class Watch:
     """An ordered, ephemeral consumer as an async iterator.  Subscribes on first iteration."""
 
-    def __init__(self, bus: JetStreamBus, subject: str, deliver: str) -> None:
-        self._bus = bus
+    def __init__(self, conn: Connection, subject: str, deliver: str, *,
+                 on_close: Callable[[Watch], None] | None = None) -> None:
+        if deliver not in ("new", "last_per_subject", "all"):
+            raise BusError(f"watch deliver={deliver!r}: use 'new', 'last_per_subject' or 'all'")
+        self._conn = conn
         self._subject = subject
-        self._deliver = _DELIVER[deliver]
+        self._stream = conn.subjects.stream(stream_kind_of(subject))
+        self._deliver = deliver
+        self._on_close = on_close
         self._sub: Any = None
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._closed = False
@@ -60,18 +53,15 @@ class Watch:
         return self
 
     async def _start(self) -> None:
-        stream = self._bus.subjects.stream(stream_kind_of(self._subject))
-        self._sub = await self._bus._js.subscribe(
-            self._subject, stream=stream, ordered_consumer=True, deliver_policy=self._deliver, cb=self._on_msg,
-            pending_bytes_limit=512 * MiB,
-        )
+        self._sub = await self._conn.subscribe_ordered(self._subject, stream=self._stream, deliver=self._deliver,
+                                                       cb=self._on_msg)
 
-    async def _on_msg(self, raw: Msg) -> None:
+    async def _on_msg(self, raw: Any) -> None:
         headers = dict(raw.headers) if raw.headers else {}
         try:
-            data, headers, _ = await self._bus._resolve(raw.data, headers)
+            data, headers, _ = await self._conn.resolve(raw.data, headers)
         except BusError as exc:
-            self._bus.log.error("watch_claim_unreadable", subject=raw.subject, error=str(exc))
+            self._conn.log.error("watch_claim_unreadable", subject=raw.subject, error=str(exc))
             return
         md = raw.metadata
         await self._queue.put(Delivery(
@@ -93,7 +83,8 @@ class Watch:
         if self._closed:
             return
         self._closed = True
-        self._bus._watches.discard(self)
+        if self._on_close is not None:
+            self._on_close(self)
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()

@@ -101,11 +101,11 @@ async def test_object_store_refuses_bytes_that_do_not_match_the_digest(bus):
     # Corrupt the recorded digest the way a torn or tampered write would look to a reader.
     store = bus.objects
     meta_subject = f"$O.{store.bucket}.M." + __import__("base64").urlsafe_b64encode(b"weights/v2/shard0").decode()
-    raw = await bus._js.get_last_msg(store.stream, meta_subject)
+    raw = await bus.connection.js.get_last_msg(store.stream, meta_subject)
     meta = json.loads(raw.data)
     wrong = hashlib.sha256(b"something else").digest()
     meta["digest"] = "SHA-256=" + __import__("base64").urlsafe_b64encode(wrong).decode()
-    await bus._js.publish(meta_subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+    await bus.connection.js.publish(meta_subject, json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
     with pytest.raises(DigestMismatch) as err:
         await store.get("weights/v2/shard0")
     assert err.value.name == "weights/v2/shard0"

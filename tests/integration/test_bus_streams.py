@@ -15,14 +15,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 async def test_ensure_streams_is_idempotent_and_refuses_conflicts(bus):
     s = bus.subjects
-    await ensure_streams(bus._js, s)  # already declared by connect: accepted as equal
-    await ensure_streams(bus._js, s)
+    await ensure_streams(bus.connection.js, s)  # already declared by connect: accepted as equal
+    await ensure_streams(bus.connection.js, s)
     tasks = next(d for d in declarations(s) if d.kind == "TASKS").config
     # Someone re-declares TASKS with a retention limit the code does not have.
     tasks.max_age = 3600.0
-    await bus._js.update_stream(tasks)
+    await bus.connection.js.update_stream(tasks)
     with pytest.raises(BusConfigError) as err:
-        await ensure_streams(bus._js, s)
+        await ensure_streams(bus.connection.js, s)
     msg = str(err.value)
     assert s.stream("TASKS") in msg and "max_age" in msg
     assert "new run name" in msg
@@ -41,14 +41,14 @@ async def test_weights_stream_keeps_last_n_per_subject(bus):
 async def test_ensure_consumer_refuses_changed_or_overlapping_durables(bus):
     s = bus.subjects
     spec = task_spec(bus, ack_wait=2.0)
-    await ensure_consumer(bus._js, s, spec)
-    await ensure_consumer(bus._js, s, spec)
+    await ensure_consumer(bus.connection.js, s, spec)
+    await ensure_consumer(bus.connection.js, s, spec)
     changed = ConsumerSpec(stream="TASKS", durable=spec.durable, filter_subjects=spec.filter_subjects, ack_wait=9.0)
     with pytest.raises(BusConfigError, match="ack_wait"):
-        await ensure_consumer(bus._js, s, changed)
+        await ensure_consumer(bus.connection.js, s, changed)
     overlapping = ConsumerSpec(stream="TASKS", durable="all_tasks", filter_subjects=(s.all_of("tasks"),))
     with pytest.raises(BusConfigError, match="work-queue"):
-        await ensure_consumer(bus._js, s, overlapping)
+        await ensure_consumer(bus.connection.js, s, overlapping)
 
 
 async def test_request_serve_round_trip_errors_and_no_responders(bus):

@@ -1,0 +1,303 @@
+"""``Connection``: one NATS connection of a ``JetStreamBus`` and everything its parts share.
+
+``JetStreamBus`` is the service-facing ``Bus``; its parts — the consume loop (``bus.consume``),
+pullers (``bus.puller``), watches (``bus.watch``) — work through the public methods of this one
+object and never reach into the bus.  It owns:
+
+- the nats client (``nc``), its JetStream context (``js``) and API prefix, the run's ``Subjects``,
+  the run's object store and the claim check on it, the publisher, the logger;
+- the open/closed state and the background tasks (``spawn``), cancelled or finished on close;
+- consumer declaration (``ensure_consumer``, once per durable), and with it the subscription to
+  the server's max-deliveries advisory for that durable;
+- the last handler error per stored message (``note_error``), so the max-deliveries dead letter
+  says what went wrong, and the retry backoff of failed handlers.
+
+Max deliveries: a message that exhausts ``max_deliver`` stays in its stream and the server only
+emits ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``.  The connection
+subscribes to it (in a queue group, so one replica acts), copies the message byte for byte to
+DEAD with reason ``max_deliveries`` and the last handler error it saw, and then deletes it from
+a work-queue stream — so it is neither lost nor stuck.  Limit: an advisory emitted while no bus
+consuming that durable is connected is not seen (advisories are not persisted); such a message
+stays in the work queue, visible in ``streams()`` as stored-but-not-pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import NotFoundError
+
+from bus.claims import CLAIM_HEADER, ClaimCheck
+from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
+from bus.objects import JetStreamObjectStore
+from bus.protocol import BusClosed, BusError, ConsumerSpec
+from bus.publish import Publisher
+from bus.pull import PullInbox
+from bus.routing import WORK_QUEUES
+from bus.streams import ensure_consumer, ensure_streams
+from bus.subjects import Subjects
+from observability.logging import get_logger
+
+KiB, MiB = 1024, 1024 * 1024
+CLAIM_HEADROOM = 512 * KiB
+MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
+LAST_ERRORS_KEPT = 10_000  # only needed until the advisory arrives
+
+_DELIVER = {
+    "new": api.DeliverPolicy.NEW,
+    "last_per_subject": api.DeliverPolicy.LAST_PER_SUBJECT,
+    "all": api.DeliverPolicy.ALL,
+}
+
+
+class Connection:
+    """What a ``JetStreamBus`` and its consume loops, pullers and watches share."""
+
+    def __init__(self, nc: Any, run: str, *, name: str, claim_threshold: int | None = None,
+                 publish_deadline: float = 30.0, attempt_timeout: float = 5.0,
+                 error_backoff: tuple[float, float] = (1.0, 30.0), shutdown_grace: float = 10.0,
+                 serve_concurrency: int = 64) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10.0)
+        self.api_prefix = "$JS.API"
+        self.subjects = Subjects(run)
+        self.name = name
+        self.log = get_logger(component="bus", bus=name, run=run)
+        self.max_payload = int(nc.max_payload)
+        default_threshold = max(self.max_payload - CLAIM_HEADROOM, self.max_payload // 2)
+        self.claim_threshold = min(claim_threshold or default_threshold, default_threshold)
+        self.error_backoff = error_backoff
+        self.shutdown_grace = shutdown_grace
+        self.serve_concurrency = serve_concurrency
+        # Each pull is capped by bytes: a few of the largest messages, far below max_pending.
+        self.pull_max_bytes = max(4 * self.max_payload, 32 * MiB)
+        self.objects = JetStreamObjectStore(nc, self.js, self.subjects.object_bucket)
+        self.claims = ClaimCheck(self.objects, spawn=self.spawn, log=self.log)
+        self.publisher = Publisher(self.js, self.claims, name=name, max_payload=self.max_payload,
+                                   claim_threshold=self.claim_threshold, deadline=publish_deadline,
+                                   attempt_timeout=attempt_timeout)
+        self._closing = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._subs: list[Any] = []
+        self._advisories: set[tuple[str, str]] = set()
+        self._consumers_ok: set[tuple[str, str]] = set()
+        self._last_errors: dict[tuple[str, int], str] = {}
+
+    # --- open / state / close ------------------------------------------------------------
+    @classmethod
+    async def open(cls, url: str, run: str, *, name: str, connect_timeout: float = 10.0,
+                   **options: Any) -> Connection:
+        """Connect (reconnecting forever after the first success) within ``connect_timeout``."""
+        if not url:
+            raise BusError("a NATS URL is required (e.g. nats://127.0.0.1:4222); start one with `rlbus nats`")
+        log = get_logger(component="bus", bus=name, run=run)
+        made: list[Connection] = []  # the callbacks stay quiet about our own close
+
+        async def on_error(exc: Exception) -> None:
+            if not (made and made[0].closed):
+                log.warning("nats_error", error=repr(exc))
+
+        async def on_disconnect() -> None:
+            if not (made and made[0].closed):
+                log.warning("nats_disconnected", url=url)
+
+        async def on_reconnect() -> None:
+            log.info("nats_reconnected", url=url)
+
+        nc = nats.NATS()
+        try:
+            await asyncio.wait_for(nc.connect(
+                servers=[url], name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+                reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
+                connect_timeout=2, ping_interval=10, max_outstanding_pings=3,
+                pending_size=64 * MiB, drain_timeout=10, error_cb=on_error,
+                disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+            ), timeout=connect_timeout)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            try:
+                await nc.close()
+            except Exception:  # noqa: BLE001 - we are already reporting the real failure
+                pass
+            raise BusError(
+                f"cannot connect to NATS at {url} within {connect_timeout:.0f}s ({exc!r}); "
+                "is the server running (`rlbus nats`) and the URL right?"
+            ) from None
+        conn = cls(nc, run, name=name, **options)
+        made.append(conn)
+        return conn
+
+    async def ensure_streams(self) -> None:
+        await ensure_streams(self.js, self.subjects)
+
+    @property
+    def closed(self) -> bool:
+        """Closing or closed by us, or the connection lost for good."""
+        return self._closing or self.nc.is_closed
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise BusClosed(f"bus {self.name!r} is closed")
+
+    def begin_close(self) -> bool:
+        """Mark the connection as closing; False if that had already happened."""
+        if self._closing:
+            return False
+        self._closing = True
+        return True
+
+    async def close(self) -> None:
+        """Stop background work and drain the connection (after ``begin_close``)."""
+        self._closing = True
+        for t in list(self._tasks):
+            if t.get_name().startswith(("release-", "serve-")):
+                continue  # short, and worth finishing
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5.0)
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=10.0)
+            except Exception:  # noqa: BLE001 - drain failed (server gone): close hard
+                pass
+            if not self.nc.is_closed:
+                await self.nc.close()
+
+    def spawn(self, coro: Awaitable[Any], *, name: str) -> asyncio.Task[Any]:
+        """A background task that lives until it ends or the connection closes."""
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def backoff(self, deliveries: int) -> float:
+        """Seconds before a failed handler's message is redelivered: doubling, capped."""
+        base, cap = self.error_backoff
+        return float(min(base * 2 ** max(deliveries - 1, 0), cap))
+
+    # --- publish / claim check -------------------------------------------------------------
+    async def publish(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> None:
+        self.check_open()
+        await self.publisher.publish(subject, data, msg_id=msg_id, headers=headers)
+
+    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *,
+                           headers: dict[str, str] | None = None) -> None:
+        self.check_open()
+        await self.publisher.publish_many(items, headers=headers)
+
+    async def resolve(self, data: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str], str | None]:
+        """The original bytes of a possibly claim-checked message (see ``bus.claims``)."""
+        return await self.claims.resolve(data, headers)
+
+    @staticmethod
+    def claim_is_gone(exc: BaseException) -> bool:
+        return ClaimCheck.is_gone(exc)
+
+    def release_claim(self, name: str) -> None:
+        self.claims.release(name)
+
+    # --- consumers -------------------------------------------------------------------------
+    async def ensure_consumer(self, spec: ConsumerSpec) -> str:
+        """Declare the durable (once per connection) and watch its max-deliveries advisory.
+        Returns the stream name."""
+        stream = self.subjects.stream(spec.stream)
+        key = (stream, spec.durable)
+        if key not in self._consumers_ok:
+            await ensure_consumer(self.js, self.subjects, spec)
+            self._consumers_ok.add(key)
+        if key not in self._advisories:
+            self._advisories.add(key)
+            self._subs.append(await self.nc.subscribe(
+                f"{MAX_DELIVERIES_ADVISORY}.{stream}.{spec.durable}", queue=f"rlbus_dead_{spec.durable}",
+                cb=self._on_max_deliveries,
+            ))
+        return stream
+
+    async def pull_inbox(self, stream: str, durable: str, *,
+                         on_message: Callable[[Msg], None] | None = None) -> PullInbox:
+        """A started inbox for pull requests to ``durable`` (declared with ``ensure_consumer``)."""
+        inbox = PullInbox(self.nc, self.api_prefix, stream, durable, on_message=on_message)
+        return await inbox.start()
+
+    async def consumer_pending(self, stream: str, durable: str) -> int:
+        info = await self.js.consumer_info(stream, durable)
+        return int(info.num_pending or 0)
+
+    async def subscribe_ordered(self, subject: str, *, stream: str, deliver: str,
+                                cb: Callable[[Msg], Awaitable[None]]) -> Any:
+        """An ordered, ephemeral, ack-none push consumer of ``subject`` (for watches)."""
+        return await self.js.subscribe(
+            subject, stream=stream, ordered_consumer=True, deliver_policy=_DELIVER[deliver], cb=cb,
+            pending_bytes_limit=512 * MiB,
+        )
+
+    async def last_msg(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
+        """The newest stored message on ``subject`` (resolved), or None."""
+        try:
+            raw = await self.js.get_last_msg(stream, subject, direct=True)
+        except NotFoundError:
+            return None
+        data, headers, _ = await self.resolve(raw.data or b"", dict(raw.headers or {}))
+        return data, headers
+
+    # --- dead letters ----------------------------------------------------------------------
+    def note_error(self, stream: str, seq: int, error: str) -> None:
+        """Remember the last handler error of stored message ``seq`` for its dead letter."""
+        self._last_errors[(stream, seq)] = error
+        if len(self._last_errors) > LAST_ERRORS_KEPT:
+            for k in list(self._last_errors)[:LAST_ERRORS_KEPT // 2]:
+                del self._last_errors[k]
+
+    async def dead_letter(self, origin_subject: str, data: bytes, *, error: str, reason: str, deliveries: int = 1,
+                          headers: dict[str, str] | None = None, msg_id: str | None = None,
+                          stream_seq: int = 0) -> None:
+        """Record a bad message on DEAD (see ``bus.deadletter``); large originals by claim check."""
+        subject, letter, msg_id = build_dead_letter(
+            self.subjects, origin_subject, data, error=error, reason=reason, deliveries=deliveries,
+            headers=headers, service=self.name, msg_id=msg_id, stream_seq=stream_seq)
+        self.log.warning("dead_letter", origin=origin_subject, reason=reason, error=error[:500], deliveries=deliveries)
+        await self.publish(subject, letter.encode(), msg_id=msg_id)
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        try:
+            adv = json.loads(msg.data)
+            stream, seq, deliveries = adv["stream"], int(adv["stream_seq"]), int(adv.get("deliveries", 0))
+        except (ValueError, KeyError, TypeError) as exc:
+            self.log.error("advisory_unreadable", subject=msg.subject, error=repr(exc))
+            return
+        try:
+            await self._dead_letter_stored(stream, seq, deliveries)
+        except Exception as exc:  # noqa: BLE001 - logged with everything needed to act by hand
+            self.log.error("max_deliveries_dead_letter_failed", stream=stream, seq=seq, error=repr(exc))
+
+    async def _dead_letter_stored(self, stream: str, seq: int, deliveries: int) -> None:
+        try:
+            raw = await self.js.get_msg(stream, seq)
+        except NotFoundError:
+            return  # already handled (another replica, or acked at the last moment)
+        headers = {k: v for k, v in (raw.headers or {}).items() if not k.startswith("Nats-") or k == "Nats-Msg-Id"}
+        data = raw.data or b""
+        claim = headers.get(CLAIM_HEADER)
+        if claim:
+            try:
+                data, headers, _ = await self.resolve(data, headers)
+            except BusError as exc:
+                headers["Rlbus-Claim-Error"] = str(exc)[:200]
+        error = self._last_errors.pop((stream, seq), never_acked(deliveries))
+        await self.dead_letter(raw.subject, data, error=error, reason="max_deliveries", deliveries=deliveries,
+                               headers=headers, msg_id=dead_letter_id(stream, seq), stream_seq=seq)
+        if stream.rsplit("_", 1)[-1] in WORK_QUEUES:
+            try:
+                await self.js.delete_msg(stream, seq)
+            except NotFoundError:
+                pass
+            if claim:
+                self.release_claim(claim)
+        self.log.warning("dead_lettered", stream=stream, seq=seq, reason="max_deliveries", error=error)

@@ -1,0 +1,166 @@
+"""One durable pull consumer on a ``Connection``: its pull inbox, and raw message -> ``Delivery``.
+
+What a consume loop (``bus.consume``) and a puller (``bus.puller``) share.  A raw message is
+claim-check resolved, wrapped with a ``JetStreamSettle`` and decoded by ``bus.outcome.decoded``
+(a malformed message is dead-lettered there and never handed out).  With a ``Heartbeat``, every
+message is held from the moment it lands in the inbox's buffer until it is settled; once it is a
+delivery, a consume loop holds it until its handler is done, a puller (``weakly``) as long as
+its caller keeps the delivery.
+
+Settling: dead letters are written *before* the ``term`` so a crash in between redelivers (and
+the dead letter's msg id, ``dead.<stream>.<seq>``, dedupes the second copy) instead of losing
+it.  A claim of a work-queue message is released only once the server has really removed the
+message (``ack_sync``), so a lost ack never leaves a message pointing at deleted bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from nats.aio.msg import Msg
+
+from bus.claims import CLAIM_HEADER
+from bus.connection import Connection
+from bus.deadletter import dead_letter_id
+from bus.heartbeat import Heartbeat
+from bus.outcome import decoded
+from bus.protocol import BusError, ConsumerSpec, Delivery
+from bus.pull import PullInbox
+from bus.routing import WORK_QUEUES
+
+ACK_SYNC_TIMEOUT_S = 5.0
+
+
+class JetStreamSettle:
+    """``bus.outcome.Settle`` for one JetStream message: settles it at most once."""
+
+    __slots__ = ("conn", "raw", "data", "stream", "work_queue", "claim", "settled")
+
+    def __init__(self, conn: Connection, raw: Msg, data: bytes, stream: str, work_queue: bool,
+                 claim: str | None) -> None:
+        self.conn = conn
+        self.raw = raw
+        self.data = data  # the original bytes (claim resolved): what a dead letter keeps
+        self.stream = stream
+        self.work_queue = work_queue
+        self.claim = claim
+        self.settled = False
+
+    async def ack(self, d: Delivery[Any]) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        if self.claim and self.work_queue:
+            # The claimed object may go only once the server has really removed the message.
+            await self.raw.ack_sync(timeout=ACK_SYNC_TIMEOUT_S)
+            self.conn.release_claim(self.claim)
+        else:
+            await self.raw.ack()
+
+    async def nak(self, d: Delivery[Any] | None, delay: float = 0.0) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        await self.raw.nak(delay=delay if delay > 0 else None)
+
+    async def term(self, d: Delivery[Any], reason: str, *, error: str = "terminated") -> None:
+        await self.dead(d.subject, reason=reason, error=error, deliveries=d.deliveries,
+                        stream_seq=d.stream_seq, headers=d.headers)
+
+    async def dead(self, subject: str, *, reason: str, error: str, deliveries: int, stream_seq: int,
+                   headers: dict[str, str]) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        await self.conn.dead_letter(subject, self.data, error=error, reason=reason, deliveries=deliveries,
+                                    headers=headers, msg_id=dead_letter_id(self.stream, stream_seq),
+                                    stream_seq=stream_seq)
+        await self.raw.term()
+        if self.claim and self.work_queue:
+            self.conn.release_claim(self.claim)
+
+    async def in_progress(self, d: Delivery[Any] | None = None) -> None:
+        if self.settled:
+            return
+        await self.raw.in_progress()
+
+
+class Durable:
+    """A durable of one connection: declared on ``open``, read through one ``PullInbox``."""
+
+    def __init__(self, conn: Connection, spec: ConsumerSpec, decode: Callable[[bytes], Any], *,
+                 heartbeat: bool) -> None:
+        self.conn = conn
+        self.spec = spec
+        self.decode = decode
+        self.stream = conn.subjects.stream(spec.stream)
+        self.work_queue = spec.stream in WORK_QUEUES
+        self.heartbeat = Heartbeat(spec.ack_wait, name=spec.durable, log=conn.log) if heartbeat else None
+        self.inbox: PullInbox | None = None
+
+    async def open(self) -> PullInbox:
+        if self.inbox is None:
+            await self.conn.ensure_consumer(self.spec)
+            hold = self.heartbeat.hold if self.heartbeat is not None else None
+            self.inbox = await self.conn.pull_inbox(self.stream, self.spec.durable, on_message=hold)
+            if self.heartbeat is not None:
+                self.heartbeat.start(self.conn.spawn)
+        return self.inbox
+
+    async def close(self) -> None:
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
+        if self.inbox is not None:
+            await self.inbox.stop()
+
+    def release(self, d: Delivery[Any]) -> None:
+        """Stop heartbeating ``d`` (settled, or given up on)."""
+        if self.heartbeat is not None:
+            self.heartbeat.release(d._settle)
+
+    async def delivery(self, raw: Msg, *, weakly: bool) -> Delivery[Any] | None:
+        """Resolve the claim check and decode; a bad message is dead-lettered and yields None.
+        A delivery stays heartbeated from the raw message's arrival until it is settled or
+        ``release``d — or, ``weakly``, until the caller lets go of it."""
+        hb = self.heartbeat
+        try:
+            d = await self._delivery(raw)
+        except BaseException:
+            if hb is not None:
+                hb.release(raw)
+            raise
+        if hb is not None:
+            if d is None:
+                hb.release(raw)
+            else:
+                hb.hand_over(raw, d._settle, owner=d if weakly else None)
+        return d
+
+    async def _delivery(self, raw: Msg) -> Delivery[Any] | None:
+        md = raw.metadata
+        deliveries, seq = md.num_delivered, md.sequence.stream
+        headers = dict(raw.headers) if raw.headers else {}
+        msg_id = headers.get("Nats-Msg-Id", "")
+        data, claim = raw.data, None
+        if CLAIM_HEADER in headers:  # checked here: most messages skip the resolve call entirely
+            try:
+                data, headers, claim = await self.conn.resolve(raw.data, headers)
+            except BusError as exc:
+                await self._unreadable_claim(raw, exc, deliveries=deliveries, seq=seq, headers=headers)
+                return None
+        settle = JetStreamSettle(self.conn, raw, data, self.stream, self.work_queue, claim)
+        d: Delivery[bytes] = Delivery(msg=data, subject=raw.subject, msg_id=msg_id, deliveries=deliveries,
+                                      stream_seq=seq, headers=headers, _settle=settle)
+        return await decoded(d, self.decode, self.conn.log)
+
+    async def _unreadable_claim(self, raw: Msg, exc: BusError, *, deliveries: int, seq: int,
+                                headers: dict[str, str]) -> None:
+        settle = JetStreamSettle(self.conn, raw, raw.data, self.stream, self.work_queue, None)
+        if self.conn.claim_is_gone(exc):
+            await settle.dead(raw.subject, reason="claim_missing", error=str(exc), deliveries=deliveries,
+                              stream_seq=seq, headers=headers)
+        else:
+            msg_id = headers.get("Nats-Msg-Id", "")
+            self.conn.log.warning("claim_unreadable", subject=raw.subject, msg_id=msg_id, error=str(exc))
+            await settle.nak(None, self.conn.backoff(deliveries))
