@@ -1,7 +1,7 @@
 """Inject a known training–inference mismatch and compare corrections (issue: consistency).
 
 Runs `rlbus up` several times from the same warm-start policy: generator in bfloat16, trainer in
-float32 (a real precision gap), with `correction` = none, tis (truncated IS, the default) and mis
+float32 (a real precision gap), with `[trainer.objective] correction` = none, tis (truncated IS, the default) and mis
 (masked IS); plus a float32 baseline.  Prints one JSON object with, per run, final held-out
 accuracy, mean k3 KL, mean |Δ logprob|, ESS and the wall time; writes `mismatch.png`.
 
@@ -20,10 +20,10 @@ from pathlib import Path
 from services.up.monitor import load_metrics
 
 RUNS = {
-    "fp32 (no gap), tis": {"generator": {"dtype": "float32"}, "trainer": {"correction": "tis"}},
-    "bf16 gen, none": {"generator": {"dtype": "bfloat16"}, "trainer": {"correction": "none"}},
-    "bf16 gen, tis": {"generator": {"dtype": "bfloat16"}, "trainer": {"correction": "tis"}},
-    "bf16 gen, mis": {"generator": {"dtype": "bfloat16"}, "trainer": {"correction": "mis"}},
+    "fp32 (no gap), tis": {"generator": {"dtype": "float32"}, "trainer.objective": {"correction": "tis"}},
+    "bf16 gen, none": {"generator": {"dtype": "bfloat16"}, "trainer.objective": {"correction": "none"}},
+    "bf16 gen, tis": {"generator": {"dtype": "bfloat16"}, "trainer.objective": {"correction": "tis"}},
+    "bf16 gen, mis": {"generator": {"dtype": "bfloat16"}, "trainer.objective": {"correction": "mis"}},
 }
 
 

@@ -48,7 +48,7 @@ PROMPTS_PER_STEP = 32
 LEARNING_RATE = 1e-4
 MAX_NEW_TOKENS = 6
 TEMPERATURE = 1.0
-CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # rlbus [trainer] clip_low / clip_high defaults
+CLIP_LOW, CLIP_HIGH = 0.2, 0.28  # rlbus [trainer.objective] clip_low / clip_high defaults
 EVAL_TASKS = 200
 EVAL_SEED = 0  # the held-out set of `rlbus up` (up.seed 0) and of `rlbus init-model`
 # `rlbus up` publishes its training tasks once and consumes each one once (no epochs): with its
@@ -191,8 +191,8 @@ def run_trl(model_path: str, budget: float, *, eval_every: int = 2, stop_at: flo
             beta=0.0,
             epsilon=CLIP_LOW,
             epsilon_high=CLIP_HIGH,
-            loss_type="dapo",  # token mean over the batch = rlbus aggregation "token_mean"
-            scale_rewards="group",  # = rlbus normalize_std=True
+            loss_type="dapo",  # token mean over the batch = rlbus [trainer.objective] aggregation "token_mean"
+            scale_rewards="group",  # = rlbus [trainer.advantages] normalize_std = true
             max_steps=100_000,  # the callback stops training
             use_cpu=True,
             bf16=False,

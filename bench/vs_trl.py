@@ -138,8 +138,10 @@ batch_groups = {PROMPTS_PER_STEP}
 
 [trainer]
 lr = {LEARNING_RATE}
-kl_coef = 0.0
 threads = 1
+
+[trainer.objective]
+kl_coef = 0.0
 
 [generator]
 threads = 1

@@ -1,10 +1,12 @@
 """Typed, strict configuration: one settings class per service, loaded TOML -> env.
 
 A run config is one TOML file with a ``[run]`` table shared by every service and one table
-per service (``[trainer]``, ``[generator]`` …).  Environment variables override it:
-``RLBUS_RUN__MAX_STALENESS=2`` or ``RLBUS_TRAINER__LR=1e-4``.  Unknown keys are errors
-(``extra="forbid"``) whose message names the key and lists the valid ones, so a typo never
-silently falls back to a default.
+per service (``[trainer]``, ``[generator]`` …), which may hold nested tables of its own
+(``[trainer.objective]``).  Environment variables override it: ``RLBUS_RUN__MAX_STALENESS=2``,
+``RLBUS_TRAINER__LR=1e-4``, and for a nested table one ``__`` per level:
+``RLBUS_TRAINER__OBJECTIVE__IS_CAP=3``.  Unknown keys are errors (``extra="forbid"``) whose
+message names the key with its table and lists the valid ones, so a typo never silently falls
+back to a default; an invalid value's error names the key and quotes its documentation.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.dataclasses import is_pydantic_dataclass
+from pydantic.fields import FieldInfo
 
 S = TypeVar("S", bound="Settings")
 
@@ -75,15 +79,41 @@ class RunSettings(Settings):
 
 
 def _env_overrides(section: str) -> dict[str, Any]:
+    """``RLBUS_<SECTION>__<KEY>`` variables as a dict, nested at each further ``__``.  A value is
+    parsed as TOML (numbers, booleans, lists, inline tables), else taken as a bare string."""
     prefix = f"RLBUS_{section.upper()}__"
     out: dict[str, Any] = {}
-    for key, raw in os.environ.items():
-        if key.startswith(prefix):
-            name = key[len(prefix):].lower()
-            try:
-                out[name] = tomllib.loads(f"v = {raw}")["v"]
-            except tomllib.TOMLDecodeError:
-                out[name] = raw  # a bare string
+    for key, raw in sorted(os.environ.items()):
+        if not key.startswith(prefix):
+            continue
+        *tables, name = key[len(prefix):].lower().split("__")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw  # a bare string
+        into = out
+        for i, table in enumerate(tables):
+            into = into.setdefault(table, {})
+            if not isinstance(into, dict):
+                where = ".".join([section, *tables[: i + 1]])
+                raise ConfigError(f"{key} sets a key inside [{where}], but another variable sets {where} itself "
+                                  "to a value: keep one of the two")
+        into[name] = value
+    return out
+
+
+def _merged(base: dict[str, Any], over: dict[str, Any], where: str) -> dict[str, Any]:
+    """``base`` with ``over`` laid on top, nested tables merged key by key (neither is changed)."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and key in out:
+            if not isinstance(out[key], dict):
+                raise ConfigError(f"[{where}] {key} is a value in the config file, but an environment variable sets "
+                                  f"keys inside it as the table [{where}.{key}]: make it a table in the file, or "
+                                  "drop the variable")
+            out[key] = _merged(out[key], value, f"{where}.{key}")
+        else:
+            out[key] = value
     return out
 
 
@@ -101,20 +131,47 @@ def read_toml(path: str | Path | None) -> dict[str, Any]:
 
 def load_section(cls: type[S], data: dict[str, Any], section: str) -> S:
     """Build ``cls`` from ``data[section]`` plus ``RLBUS_<SECTION>__*`` variables."""
-    values = dict(data.get(section, {}))
-    values.update(_env_overrides(section))
+    values = _merged(dict(data.get(section, {})), _env_overrides(section), section)
     try:
         return cls(**values)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            key = ".".join(str(p) for p in err["loc"])
-            if err["type"] == "extra_forbidden":
-                valid = ", ".join(sorted(cls.model_fields))
-                lines.append(f"[{section}] unknown key '{key}'; valid keys: {valid}")
-            else:
-                lines.append(f"[{section}] {key}: {err['msg']} (got {err.get('input')!r})")
+        lines = [_describe(cls, section, err) for err in exc.errors()]
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+_UNKNOWN = ("extra_forbidden", "unexpected_keyword_argument")
+
+
+def _describe(cls: type, section: str, err: Any) -> str:
+    """One validation error as ``[table.nested] key: what was wrong (got …) — its documentation``."""
+    owner, table, loc = cls, section, list(err["loc"])
+    # Walk into nested tables ([trainer.objective]) so the error names the table the key is in.
+    while len(loc) > 1 and isinstance(loc[0], str) and (inner := _table_class(owner, loc[0])) is not None:
+        owner, table, loc = inner, f"{table}.{loc[0]}", loc[1:]
+    key = ".".join(str(p) for p in loc)
+    if not key:
+        return f"[{table}] {err['msg']}"
+    if err["type"] in _UNKNOWN:
+        return f"[{table}] unknown key '{key}'; valid keys: {', '.join(sorted(_fields(owner)))}"
+    line = f"[{table}] {key}: {err['msg']} (got {err.get('input')!r})"
+    field = _fields(owner).get(str(loc[0]))
+    if field is not None and field.description:
+        # The documentation says what the key means and why its bounds are what they are.
+        line += " — " + " ".join(field.description.replace("``", "").split())
+    return line
+
+
+def _fields(owner: type) -> dict[str, FieldInfo]:
+    return dict(getattr(owner, "__pydantic_fields__", None) or {})
+
+
+def _table_class(owner: type, name: str) -> type | None:
+    """The settings class of ``owner``'s field ``name`` when that field is a nested table."""
+    field = _fields(owner).get(name)
+    t = field.annotation if field is not None else None
+    if isinstance(t, type) and (issubclass(t, BaseModel) or is_pydantic_dataclass(t)):
+        return t
+    return None
 
 
 def load(path: str | Path | None, service_cls: type[S], section: str) -> tuple[RunSettings, S]:

@@ -31,9 +31,26 @@ from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
+from pydantic import ConfigDict
+from pydantic.dataclasses import dataclass
 from torch import Tensor
 
 Baseline = Literal["mean", "leave_one_out"]
+
+
+@dataclass(frozen=True, kw_only=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
+class AdvantageConfig:
+    """How :func:`group_advantages` turns a group's rewards into advantages: the
+    ``[trainer.advantages]`` table of a run config."""
+
+    normalize_std: bool = True
+    """Divide each group's centred rewards by the group's reward std, as GRPO does (each group
+    on a comparable scale). False gives Dr. GRPO's unbiased variant (no up-weighting of
+    near-unanimous, too easy or too hard, groups)."""
+
+    baseline: Baseline = "mean"
+    """The group baseline: ``"mean"`` (GRPO, the group's mean reward) or ``"leave_one_out"``
+    (RLOO, the mean of the other members: unbiased, does not shrink advantages by (k-1)/k)."""
 
 
 def zero_variance_groups(rewards: Tensor, baseline_mask: Tensor | None = None) -> Tensor:

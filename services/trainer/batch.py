@@ -6,6 +6,9 @@ environment failure (not trained on, not in the baseline).  Per group: *duplicat
 was already consumed (a redelivery after a crash), *filtered* when the counted rewards are all
 equal (no learning signal: dynamic sampling), *stale* when no rollout is fresh enough, *invalid*
 when no rollout is valid.  Every dropped group is recorded with its reason; nothing vanishes.
+A kept group can still go stale while it waits for a batch (``requeue_stale``): its outcome
+moves from *train* to *stale*, and it is also counted as *stale_held*.  Outcomes are tallied per
+pool and per generator as well (``Outcomes``), for the controller's balance accounting.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import ScoredGroup
+from schemas.metric_keys import STALE_HELD
 
 
 @dataclass
@@ -29,12 +33,31 @@ class GroupDecision:
 
 
 @dataclass
+class Outcomes:
+    """Group outcomes (train, filtered, invalid, stale, and the ``stale_held`` part of stale) by
+    pool and by generator, counted from zero by this process.  A duplicate is no outcome of its
+    own: its original's counts.  A group without a generator id is counted per pool only."""
+
+    by_pool: dict[str, Counter[str]] = field(default_factory=dict)
+    by_generator: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def count(self, group: ScoredGroup, outcome: str, n: int = 1) -> None:
+        self.by_pool.setdefault(group.task.pool, Counter())[outcome] += n
+        if group.generator_id:
+            self.by_generator.setdefault(group.generator_id, Counter())[outcome] += n
+
+    def total(self, outcome: str) -> int:
+        return sum(c[outcome] for c in self.by_pool.values())
+
+
+@dataclass
 class Assembler:
     batch_groups: int
     max_staleness: int
     kept: list[GroupDecision] = field(default_factory=list)
     dropped: list[GroupDecision] = field(default_factory=list)
     counts: Counter[str] = field(default_factory=Counter)
+    outcomes: Outcomes = field(default_factory=Outcomes)
     rollouts_stale: int = 0
     rollouts_invalid: int = 0
 
@@ -55,6 +78,8 @@ class Assembler:
         elif len(rewards) < 2:
             d.reason = "filtered"
         self.counts[d.reason] += 1
+        if d.reason != "duplicate":
+            self.outcomes.count(group, d.reason)
         if d.reason == "train":
             self.rollouts_stale += sum(v and not f for v, f in zip(valid, fresh, strict=True))
             self.rollouts_invalid += sum(not v for v in valid)
@@ -85,6 +110,9 @@ class Assembler:
                 d.reason = "stale"
                 self.counts["train"] -= 1
                 self.counts["stale"] += 1
+                self.outcomes.count(d.group, "train", -1)
+                self.outcomes.count(d.group, "stale")
+                self.outcomes.count(d.group, STALE_HELD)
                 out.append(d)
         self.kept = still
         self.dropped.extend(out)

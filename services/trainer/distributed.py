@@ -59,6 +59,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from observability.logging import get_logger
+from services.trainer.errors import TrainerError
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, accumulate, batch_counts, make_optimizer, step_metrics
 
@@ -71,7 +72,7 @@ _FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 _FROM_RANK0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
-class DistributedTrainerError(RuntimeError):
+class DistributedTrainerError(TrainerError):
     """The distributed trainer cannot start or was used wrongly; the message says how to fix it."""
 
 

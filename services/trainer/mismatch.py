@@ -76,16 +76,8 @@ def mismatch_metrics(
     _check(trainer_logp, behaviour_logp, mask, seq_index, is_low, is_high, is_cap)
     cap = is_high if is_cap is None else is_cap
     with torch.no_grad():
-        trainer = trainer_logp.detach()[mask].to(torch.float64)
-        behaviour = behaviour_logp.detach()[mask].to(torch.float64)
-        if not bool(torch.isfinite(trainer).all() & torch.isfinite(behaviour).all()):
-            raise ValueError(
-                "a measured token has a NaN or infinite logprob; the rollout or the "
-                "trainer's recompute is corrupt and must not be trained on"
-            )
-        log_r = trainer - behaviour
+        log_r = _log_ratios(trainer_logp, behaviour_logp, mask)
         w = torch.exp(log_r)
-
         abs_diff = log_r.abs()
         # k3 = (w - 1) - log w >= 0 for every token; expm1 keeps it accurate for the tiny
         # |log r| a good backend produces, and the clamp absorbs a last-ulp rounding
@@ -93,14 +85,6 @@ def mismatch_metrics(
         k3 = (torch.expm1(log_r) - log_r).clamp_min(0.0)
         # ppl_trainer / ppl_behaviour = exp(-mean t) / exp(-mean b) = exp(-mean(t - b)).
         ppl_ratio = torch.exp(-log_r.mean())
-
-        _, seq = torch.unique(seq_index[mask], return_inverse=True)
-        n_seqs = int(seq.max().item()) + 1
-        # log of the sequence weight Π_t w_t, summed in log space so a long sequence
-        # does not overflow before the ESS rescales it.
-        seq_log_w = torch.zeros(n_seqs, dtype=torch.float64, device=log_r.device)
-        seq_log_w.index_add_(0, seq, log_r)
-
         values = torch.stack(
             [
                 # A mean of equal values can round one ulp above them: never report mean > max.
@@ -111,11 +95,33 @@ def mismatch_metrics(
                 _normalised_ess(log_r),
                 (w > cap).to(torch.float64).mean(),
                 ((w < is_low) | (w > is_high)).to(torch.float64).mean(),
-                _normalised_ess(seq_log_w),
+                _normalised_ess(_sequence_log_weights(log_r, seq_index, mask)),
             ]
         )
     # One device sync for all metrics.
     return dict(zip(MISMATCH_METRICS, values.tolist(), strict=True))
+
+
+def _log_ratios(trainer_logp: Tensor, behaviour_logp: Tensor, mask: Tensor) -> Tensor:
+    """``log r = trainer - behaviour`` of the measured tokens, in float64."""
+    trainer = trainer_logp.detach()[mask].to(torch.float64)
+    behaviour = behaviour_logp.detach()[mask].to(torch.float64)
+    if not bool(torch.isfinite(trainer).all() & torch.isfinite(behaviour).all()):
+        raise ValueError(
+            "a measured token has a NaN or infinite logprob; the rollout or the "
+            "trainer's recompute is corrupt and must not be trained on"
+        )
+    return trainer - behaviour
+
+
+def _sequence_log_weights(log_r: Tensor, seq_index: Tensor, mask: Tensor) -> Tensor:
+    """log of each sequence's weight ``Π_t w_t``, summed in log space so a long sequence does
+    not overflow before the ESS rescales it."""
+    _, seq = torch.unique(seq_index[mask], return_inverse=True)
+    n_seqs = int(seq.max().item()) + 1
+    seq_log_w = torch.zeros(n_seqs, dtype=torch.float64, device=log_r.device)
+    seq_log_w.index_add_(0, seq, log_r)
+    return seq_log_w
 
 
 def _normalised_ess(log_w: Tensor) -> Tensor:

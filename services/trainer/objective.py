@@ -48,12 +48,12 @@ the caller, so accumulating gradients over micro-batches gives the full-batch gr
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal, NamedTuple, get_args
+from typing import Annotated, Literal, NamedTuple
 
 import torch
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass
 from torch import Tensor
 
 Correction = Literal["tis", "mis", "seq_reject", "none"]
@@ -76,80 +76,61 @@ POLICY_LOSS_METRICS: tuple[str, ...] = (
 _MAX_LOG_RATIO = 20.0
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, config=ConfigDict(extra="forbid", use_attribute_docstrings=True))
 class ObjectiveConfig:
-    """Hyper-parameters of :func:`policy_loss`. Immutable; validated on construction."""
+    """Hyper-parameters of :func:`policy_loss`: the ``[trainer.objective]`` table of a run config.
 
-    clip_low: float = 0.2
-    """PPO lower clip: ratios below ``1 - clip_low`` get no gradient when the advantage
-    is negative (stop pushing down a token already pushed down enough). In [0, 1)."""
+    Immutable, validated on construction; each bound below is what this module needs to be
+    well defined, and the attribute docstrings are the field descriptions a config error quotes.
+    The weight ``w = exp(proximal - behaviour)`` of a token is 1 exactly when trainer and
+    generator agree, so every band must contain 1: agreeing logprobs must pass unchanged
+    (that is what makes the four corrections bit-identical on-policy)."""
 
-    clip_high: float = 0.28
-    """PPO upper clip: ratios above ``1 + clip_high`` get no gradient when the advantage
-    is positive. Larger than ``clip_low`` per DAPO clip-higher, to keep exploration. >= 0."""
+    clip_low: Annotated[float, Field(ge=0, lt=1)] = 0.2
+    """PPO lower clip, in [0, 1): ratios below ``1 - clip_low`` get no gradient when the
+    advantage is negative (stop pushing down a token already pushed down enough). Below 1 so
+    that the lower edge of the trust region stays a positive ratio."""
+
+    clip_high: Annotated[float, Field(ge=0)] = 0.28
+    """PPO upper clip, >= 0: ratios above ``1 + clip_high`` get no gradient when the advantage
+    is positive. Larger than ``clip_low`` per DAPO clip-higher, to keep exploration; >= 0 so
+    that an unchanged token (ratio 1) is never clipped."""
 
     correction: Correction = "tis"
-    """Off-policy correction applied to ``w = exp(proximal - behaviour)``: ``"tis"``,
-    ``"mis"``, ``"seq_reject"`` or ``"none"`` (see the module docstring)."""
+    """Off-policy correction applied to ``w = exp(proximal - behaviour)``: ``"tis"``
+    (truncated IS), ``"mis"`` (masked IS), ``"seq_reject"`` (reject whole sequences) or
+    ``"none"`` (see the objective module's docstring)."""
 
-    is_cap: float = 2.0
+    is_cap: Annotated[float, Field(ge=1, allow_inf_nan=False)] = 2.0
     """Truncation ``C`` of TIS (also applied inside ``seq_reject``): ``w -> min(w, C)``.
-    >= 1, so agreeing logprobs (``w = 1``) pass unchanged."""
+    Finite and >= 1, so agreeing logprobs (``w = 1``) pass unchanged."""
 
-    is_low: float = 0.5
-    """Lower edge of the MIS band: tokens with ``w < is_low`` are dropped. In (0, 1]."""
+    is_low: Annotated[float, Field(gt=0, le=1)] = 0.5
+    """Lower edge of the MIS band: tokens with ``w < is_low`` are dropped. In (0, 1]: ``w``
+    is always positive, and ``w = 1`` must stay inside the band."""
 
-    is_high: float = 2.0
-    """Upper edge of the MIS band: tokens with ``w > is_high`` are dropped. >= 1."""
+    is_high: Annotated[float, Field(ge=1)] = 2.0
+    """Upper edge of the MIS band: tokens with ``w > is_high`` are dropped. >= 1, so that
+    ``w = 1`` stays inside the band."""
 
-    seq_low: float = 0.99
-    """Lower edge for ``seq_reject``: a sequence whose geometric-mean token weight is
-    below it is dropped. Roughly a bound on the mean per-token log weight
-    (``log 0.99 ~ -0.01``). In (0, 1]."""
+    seq_low: Annotated[float, Field(gt=0, le=1)] = 0.99
+    """Lower edge for ``seq_reject``: a sequence whose geometric-mean token weight is below it
+    is dropped. Roughly a bound on the mean per-token log weight (``log 0.99 ~ -0.01``). In
+    (0, 1]: a sequence of agreeing tokens (geometric mean 1) must be kept."""
 
-    seq_high: float = 1.01
-    """Upper edge for ``seq_reject``, counterpart of ``seq_low``. >= 1."""
+    seq_high: Annotated[float, Field(ge=1)] = 1.01
+    """Upper edge for ``seq_reject``, counterpart of ``seq_low``. >= 1, so that a sequence of
+    agreeing tokens is kept."""
 
-    kl_coef: float = 0.0
-    """Weight of a KL penalty to a reference policy (k3 estimator per token, as in GRPO).
-    0 disables it; many reasoning-RL recipes (DAPO, Dr. GRPO) drop it. >= 0."""
+    kl_coef: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    """Weight of a k3 KL penalty to the initial policy (as in GRPO). Finite and >= 0; 0
+    disables it and keeps no reference model (many reasoning-RL recipes, DAPO and Dr. GRPO,
+    drop it); > 0 keeps a frozen copy of the initial policy."""
 
     aggregation: Aggregation = "token_mean"
     """``"token_mean"``: sum over unmasked tokens / token count of the batch (every token
     weighs the same). ``"seq_mean"``: mean over each sequence's tokens, then over the
     batch's sequences (GRPO's original; every sequence weighs the same)."""
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, what: str) -> None:
-            if not ok:
-                raise ValueError(f"ObjectiveConfig: {what}")
-
-        need(0 <= self.clip_low < 1, f"clip_low must be in [0, 1), got {self.clip_low}")
-        need(0 <= self.clip_high, f"clip_high must be >= 0, got {self.clip_high}")
-        need(
-            self.correction in get_args(Correction),
-            f"correction must be one of {get_args(Correction)}, got {self.correction!r}",
-        )
-        need(
-            1 <= self.is_cap and math.isfinite(self.is_cap),
-            f"is_cap must be finite and >= 1 (w = 1 must pass unchanged), got {self.is_cap}",
-        )
-        need(
-            0 < self.is_low <= 1 <= self.is_high,
-            f"need 0 < is_low <= 1 <= is_high, got is_low={self.is_low}, is_high={self.is_high}",
-        )
-        need(
-            0 < self.seq_low <= 1 <= self.seq_high,
-            f"need 0 < seq_low <= 1 <= seq_high, got seq_low={self.seq_low}, seq_high={self.seq_high}",
-        )
-        need(
-            0 <= self.kl_coef and math.isfinite(self.kl_coef),
-            f"kl_coef must be finite and >= 0, got {self.kl_coef}",
-        )
-        need(
-            self.aggregation in get_args(Aggregation),
-            f"aggregation must be one of {get_args(Aggregation)}, got {self.aggregation!r}",
-        )
 
 
 def policy_loss(
@@ -208,69 +189,107 @@ def policy_loss(
     if ref_logp is not None and ref_logp.shape != logp.shape:
         raise ValueError(f"ref_logp must have logp's shape {tuple(logp.shape)}, got {tuple(ref_logp.shape)}")
 
+    t = _prepare(logp, proximal_logp, behaviour_logp, advantages, mask, seq_index, n_seqs,
+                 n_tokens_total=n_tokens_total, n_seqs_total=n_seqs_total)
+    surrogate, clipped_low, clipped_high = _clipped_surrogate(t, cfg)
+    # Off-policy correction: constant per token, so it scales the gradient, never its
+    # direction.
+    corr = _CORRECTIONS[cfg.correction](t.proximal - t.behaviour, mask, t.seq, n_seqs, cfg)
+    pg = _aggregate(-corr.weight * surrogate, t, cfg)
+    kl = _aggregate(_k3_to_reference(t, ref_logp), t, cfg) if ref_logp is not None else t.zero
+    loss = pg + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg
+    return loss, _loss_metrics(t, pg, kl, clipped_low, clipped_high, corr)
+
+
+class _Tokens(NamedTuple):
+    """One call's token tensors in the loss dtype, zeroed where not trained, with the normalisers."""
+
+    mask: Tensor  # [T] bool: trained tokens
+    logp: Tensor  # [T] current policy, carries the gradient
+    proximal: Tensor  # [T] detached
+    behaviour: Tensor  # [T] detached
+    adv: Tensor  # [T] detached
+    seq: Tensor  # [T] sequence of each token (0 where masked)
+    seq_tokens: Tensor  # [n_seqs] trained tokens per sequence
+    seq_present: Tensor  # [n_seqs] bool: the sequence has a trained token
+    tokens_norm: Tensor  # token count of the whole batch
+    seqs_norm: Tensor  # sequence count of the whole batch
+    zero: Tensor  # scalar 0 in the loss dtype
+
+
+def _prepare(logp: Tensor, proximal_logp: Tensor, behaviour_logp: Tensor, advantages: Tensor, mask: Tensor,
+             seq_index: Tensor, n_seqs: int, *, n_tokens_total: int | None, n_seqs_total: int | None) -> _Tokens:
     dtype = torch.promote_types(logp.dtype, torch.float32)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
-
-    def masked(t: Tensor) -> Tensor:
-        # Replace non-trained positions (padding may hold -inf or garbage) by 0 *before*
-        # any arithmetic, so neither the loss nor its backward can see a NaN there.
-        return torch.where(mask, t.to(dtype), zero)
-
-    logp_m = masked(logp)
-    proximal = masked(proximal_logp.detach())
-    behaviour = masked(behaviour_logp.detach())
-    adv = masked(advantages.detach())
-    seq = torch.where(mask, seq_index, torch.zeros_like(seq_index))
     token = mask.to(dtype)
-
+    seq = torch.where(mask, seq_index, torch.zeros_like(seq_index))
     seq_tokens = torch.zeros(n_seqs, dtype=dtype, device=logp.device).index_add_(0, seq, token)
     seq_present = seq_tokens > 0
-    tokens_norm = _normaliser(n_tokens_total, token.sum(), "n_tokens_total")
-    seqs_norm = _normaliser(n_seqs_total, seq_present.sum().to(dtype), "n_seqs_total")
+    return _Tokens(
+        mask=mask,
+        logp=_masked(logp, mask, zero),
+        proximal=_masked(proximal_logp.detach(), mask, zero),
+        behaviour=_masked(behaviour_logp.detach(), mask, zero),
+        adv=_masked(advantages.detach(), mask, zero),
+        seq=seq,
+        seq_tokens=seq_tokens,
+        seq_present=seq_present,
+        tokens_norm=_normaliser(n_tokens_total, token.sum(), "n_tokens_total"),
+        seqs_norm=_normaliser(n_seqs_total, seq_present.sum().to(dtype), "n_seqs_total"),
+        zero=zero,
+    )
 
-    # Trust region around the proximal policy.
-    ratio = torch.exp((logp_m - proximal).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+
+def _masked(t: Tensor, mask: Tensor, zero: Tensor) -> Tensor:
+    # Replace non-trained positions (padding may hold -inf or garbage) by 0 *before* any
+    # arithmetic, so neither the loss nor its backward can see a NaN there.
+    return torch.where(mask, t.to(zero.dtype), zero)
+
+
+def _clipped_surrogate(t: _Tokens, cfg: ObjectiveConfig) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-token PPO surrogate in the trust region around the proximal policy, and the tokens
+    whose gradient the lower / upper clip removed."""
+    ratio = torch.exp((t.logp - t.proximal).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
     lower, upper = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
     # min(unclipped, clipped) is the pessimistic bound: it removes the incentive to move
     # the ratio outside [lower, upper] in the direction the advantage favours, and keeps
     # the full gradient when the move would undo a previous overshoot.
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(lower, upper) * adv)
-    clipped_low = mask & (adv < 0) & (ratio < lower)
-    clipped_high = mask & (adv > 0) & (ratio > upper)
+    surrogate = torch.minimum(ratio * t.adv, ratio.clamp(lower, upper) * t.adv)
+    clipped_low = t.mask & (t.adv < 0) & (ratio < lower)
+    clipped_high = t.mask & (t.adv > 0) & (ratio > upper)
+    return surrogate, clipped_low, clipped_high
 
-    # Off-policy correction: constant per token, so it scales the gradient, never its
-    # direction.
-    corr = _CORRECTIONS[cfg.correction](proximal - behaviour, mask, seq, n_seqs, cfg)
-    pg_per_token = -corr.weight * surrogate
-    pg = _AGGREGATIONS[cfg.aggregation](pg_per_token, mask, seq, seq_tokens, tokens_norm, seqs_norm)
 
-    if ref_logp is not None:
-        # k3 estimate of KL(policy || reference) per token (GRPO): with d = ref - logp,
-        # exp(d) - 1 - d >= 0, unbiased when tokens come from the policy. They come from
-        # the behaviour policy; the gap is the usual accepted approximation.
-        d = (masked(ref_logp.detach()) - logp_m).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        kl_per_token = torch.expm1(d) - d
-        kl = _AGGREGATIONS[cfg.aggregation](kl_per_token, mask, seq, seq_tokens, tokens_norm, seqs_norm)
-    else:
-        kl = zero
+def _k3_to_reference(t: _Tokens, ref_logp: Tensor) -> Tensor:
+    # k3 estimate of KL(policy || reference) per token (GRPO): with d = ref - logp,
+    # exp(d) - 1 - d >= 0, unbiased when tokens come from the policy. They come from
+    # the behaviour policy; the gap is the usual accepted approximation.
+    d = (_masked(ref_logp.detach(), t.mask, t.zero) - t.logp).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return torch.expm1(d) - d
 
-    loss = pg + cfg.kl_coef * kl if cfg.kl_coef > 0 else pg
 
+def _aggregate(per_token: Tensor, t: _Tokens, cfg: ObjectiveConfig) -> Tensor:
+    return _AGGREGATIONS[cfg.aggregation](per_token, t.mask, t.seq, t.seq_tokens, t.tokens_norm, t.seqs_norm)
+
+
+def _loss_metrics(t: _Tokens, pg: Tensor, kl: Tensor, clipped_low: Tensor, clipped_high: Tensor,
+                  corr: _Corrected) -> dict[str, float]:
+    dtype, mask = t.zero.dtype, t.mask
     with torch.no_grad():
         values = torch.stack(
             [
                 pg.detach(),
                 kl.detach(),
-                clipped_low.sum().to(dtype) / tokens_norm,
-                clipped_high.sum().to(dtype) / tokens_norm,
-                torch.where(mask, corr.weight, zero).sum() / tokens_norm,
-                (corr.truncated & mask).sum().to(dtype) / tokens_norm,
-                (corr.dropped & mask).sum().to(dtype) / tokens_norm,
-                (corr.rejected_seqs & seq_present).sum().to(dtype) / seqs_norm,
+                clipped_low.sum().to(dtype) / t.tokens_norm,
+                clipped_high.sum().to(dtype) / t.tokens_norm,
+                torch.where(mask, corr.weight, t.zero).sum() / t.tokens_norm,
+                (corr.truncated & mask).sum().to(dtype) / t.tokens_norm,
+                (corr.dropped & mask).sum().to(dtype) / t.tokens_norm,
+                (corr.rejected_seqs & t.seq_present).sum().to(dtype) / t.seqs_norm,
             ]
         )
     # One device sync for all metrics.
-    return loss, dict(zip(POLICY_LOSS_METRICS, values.tolist(), strict=True))
+    return dict(zip(POLICY_LOSS_METRICS, values.tolist(), strict=True))
 
 
 class _Corrected(NamedTuple):

@@ -19,7 +19,7 @@ from services.policy.sampling import SamplingParams
 from services.trainer.advantages import group_advantages
 from services.trainer.batch import GroupDecision
 from services.trainer.mismatch import mismatch_metrics
-from services.trainer.objective import ObjectiveConfig, policy_loss
+from services.trainer.objective import policy_loss
 from services.trainer.settings import TrainerSettings
 
 
@@ -32,12 +32,6 @@ class PackedSeq:
     advantage: float
     staleness: int
     sampling: SamplingParams
-
-
-def objective_config(cfg: TrainerSettings) -> ObjectiveConfig:
-    return ObjectiveConfig(clip_low=cfg.clip_low, clip_high=cfg.clip_high, correction=cfg.correction,
-                           is_cap=cfg.is_cap, is_low=cfg.is_low, is_high=cfg.is_high, seq_low=cfg.seq_low,
-                           seq_high=cfg.seq_high, kl_coef=cfg.kl_coef, aggregation=cfg.aggregation)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainerSettings) -> torch.optim.Optimizer:
@@ -55,8 +49,8 @@ def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedS
             rewards[g, i] = s.reward if d.baseline_mask[i] else 0.0
             valid[g, i] = d.train_mask[i]
             base[g, i] = d.baseline_mask[i]
-    adv = group_advantages(rewards, valid=valid, baseline_mask=base, normalize_std=cfg.normalize_std,
-                           baseline=cfg.baseline)
+    adv = group_advantages(rewards, valid=valid, baseline_mask=base, normalize_std=cfg.advantages.normalize_std,
+                           baseline=cfg.advantages.baseline)
     seqs: list[PackedSeq] = []
     for g, d in enumerate(batch):
         sp = d.group.sampling
@@ -104,7 +98,7 @@ def accumulate(model: torch.nn.Module, seqs: list[PackedSeq], cfg: TrainerSettin
     normalised by the given whole-batch counts, so any split of a batch (micro-batches, ranks)
     accumulates the full-batch gradient.  Returns the summed loss metrics and the detached
     trainer logprobs of each micro-batch, in ``seqs`` order."""
-    obj = objective_config(cfg)
+    obj = cfg.objective
     totals: dict[str, float] = {}
     trainer_lps: list[torch.Tensor] = []
     for start in range(0, len(seqs), cfg.micro_batch_seqs):
@@ -124,7 +118,7 @@ def accumulate(model: torch.nn.Module, seqs: list[PackedSeq], cfg: TrainerSettin
         seq_index = torch.cat([torch.full((len(s.completion),), k, dtype=torch.long) for k, s in enumerate(chunk)]).to(device)
         advantages = torch.tensor([s.advantage for s in chunk], dtype=torch.float32, device=device)[seq_index]
         ref_logp = None
-        if ref_model is not None and cfg.kl_coef > 0:
+        if ref_model is not None and obj.kl_coef > 0:
             with torch.no_grad():
                 ref_logp = torch.cat([lp for params, idx in by_params.items() for lp in completion_logprobs(
                     ref_model, [(chunk[i].prompt, chunk[i].completion) for i in idx], params,
@@ -146,8 +140,9 @@ def step_metrics(seqs: list[PackedSeq], totals: dict[str, float], trainer_lp: to
     mask_all = torch.cat([s.loss_mask for s in seqs])
     seq_all = torch.cat([torch.full((len(s.completion),), k, dtype=torch.long) for k, s in enumerate(seqs)])
     metrics = dict(totals)
-    metrics.update(mismatch_metrics(trainer_lp, behaviour_lp, mask_all, seq_all, is_low=cfg.is_low,
-                                    is_high=cfg.is_high, is_cap=cfg.is_cap))
+    obj = cfg.objective
+    metrics.update(mismatch_metrics(trainer_lp, behaviour_lp, mask_all, seq_all, is_low=obj.is_low,
+                                    is_high=obj.is_high, is_cap=obj.is_cap))
     # The gap above mixes two causes: staleness (the sample came from an older version) and
     # numerics (same version, different kernels/precision).  Tokens of fresh samples isolate the
     # numerical training-inference gap.
@@ -155,8 +150,8 @@ def step_metrics(seqs: list[PackedSeq], totals: dict[str, float], trainer_lp: to
     fresh_tok = mask_all & fresh_seq[seq_all]
     metrics["mismatch_fresh/tokens"] = float(fresh_tok.sum())
     if bool(fresh_tok.any()):
-        fresh = mismatch_metrics(trainer_lp, behaviour_lp, fresh_tok, seq_all, is_low=cfg.is_low,
-                                 is_high=cfg.is_high, is_cap=cfg.is_cap)
+        fresh = mismatch_metrics(trainer_lp, behaviour_lp, fresh_tok, seq_all, is_low=obj.is_low,
+                                 is_high=obj.is_high, is_cap=obj.is_cap)
         for key in ("abs_diff_mean", "abs_diff_max", "k3_kl"):
             metrics[f"mismatch_fresh/{key}"] = fresh[f"mismatch/{key}"]
     metrics["mismatch/ratio_first_token"] = float(torch.exp(trainer_lp[0] - behaviour_lp[0])) if len(trainer_lp) else 1.0

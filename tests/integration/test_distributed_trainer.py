@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 ATOL, RTOL = 1e-6, 1e-5
 # Exercises every path of a step: a KL term (reference model on each rank), two sampling
 # temperatures (separate forwards), several micro-batches per rank.
-CFG = dict(lr=1e-3, kl_coef=0.05, micro_batch_seqs=4, distributed="gloo")
+CFG = dict(lr=1e-3, objective={"kl_coef": 0.05}, micro_batch_seqs=4, distributed="gloo")
 TRAINER_VERSION, MAX_STALENESS = 2, 1
 
 
@@ -106,7 +106,7 @@ def _job(model_dir: Path, out: Path) -> None:
     from services.policy.load import load_policy
     from services.trainer import checkpoint
     from services.trainer.distributed import ShardedPolicy
-    from services.trainer.service import weights_bytes
+    from services.trainer.upload import weights_bytes
 
     torch.set_num_threads(1)
     cfg = TrainerSettings(**CFG)

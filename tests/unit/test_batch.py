@@ -24,7 +24,8 @@ def rollout(task_id: str, index: int, versions: list[int]) -> Rollout:
 
 
 def group(gid: str, rewards: list[float], versions: list[int | list[int]] | int = 0,
-          errors: dict[int, str] | None = None, env_failures: frozenset[int] = frozenset()) -> ScoredGroup:
+          errors: dict[int, str] | None = None, env_failures: frozenset[int] = frozenset(), pool: str = "train",
+          generator: str = "") -> ScoredGroup:
     """One scored group; ``versions`` per rollout is one version or a per-token list."""
     errors = errors or {}
     if isinstance(versions, int):
@@ -34,9 +35,9 @@ def group(gid: str, rewards: list[float], versions: list[int | list[int]] | int 
         per_token = v if isinstance(v, list) else [v, v, v]
         scored.append(ScoredRollout(rollout=rollout(gid, i, per_token), reward=reward,
                                     verifier_error=errors.get(i, ""), env_failure=i in env_failures))
-    task = Task(run="demo", task_id=gid, pool="train", env="addition", prompt="123+456=", answer="579",
+    task = Task(run="demo", task_id=gid, pool=pool, env="addition", prompt="123+456=", answer="579",
                 group_size=len(rewards))
-    return ScoredGroup(task=task, scored=scored)
+    return ScoredGroup(task=task, scored=scored, generator_id=generator)
 
 
 def test_a_fresh_group_with_a_learning_signal_trains():
@@ -149,6 +150,27 @@ def test_requeue_after_a_version_bump_drops_groups_that_became_stale():
     assert dropped == [old]
 
 
+def test_outcomes_are_tallied_per_pool_and_per_generator():
+    """What the controller's balance accounting reads: a duplicate is no outcome of its own, and a
+    group that goes stale while held moves from train to stale and counts as stale_held too."""
+    a = Assembler(batch_groups=8, max_staleness=0)
+    a.offer(group("t0", [1.0, 0.0], pool="math", generator="gen-0"), None, version=0, consumed=set())
+    a.offer(group("t0", [1.0, 0.0], pool="math", generator="gen-0"), None, version=0, consumed=set())  # a copy
+    a.offer(group("t1", [1.0, 0.0], pool="code", generator="gen-1"), None, version=0, consumed=set())
+    a.offer(group("f0", [1.0, 1.0], pool="math", generator="gen-1"), None, version=0, consumed=set())
+    a.offer(group("i0", [1.0, 0.0], errors={0: "x", 1: "y"}, pool="code"), None, version=0, consumed=set())
+    a.requeue_stale(1)  # both kept groups are one version old now
+    a.offer(group("s0", [1.0, 0.0], pool="code", generator="gen-1"), None, version=1, consumed=set())
+    o = a.outcomes
+    assert o.by_pool == {"math": {"train": 0, "stale": 1, "stale_held": 1, "filtered": 1},
+                         "code": {"train": 0, "stale": 2, "stale_held": 1, "invalid": 1}}
+    # i0 came from no known generator: counted per pool only.
+    assert o.by_generator == {"gen-0": {"train": 0, "stale": 1, "stale_held": 1},
+                              "gen-1": {"train": 0, "stale": 2, "stale_held": 1, "filtered": 1}}
+    assert o.total("stale_held") == 2 and o.total("stale") == a.counts["stale"] == 3
+    assert sum(o.total(r) for r in ("train", "filtered", "invalid", "stale")) == sum(a.counts.values()) - 1
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     batch_groups=st.integers(1, 4),
@@ -196,6 +218,8 @@ def test_every_offered_group_is_trained_or_dropped_with_a_reason(batch_groups, m
     assert {d.reason for d in dropped} <= {"filtered", "stale", "invalid", "duplicate"}
     assert sum(a.counts.values()) == len(offers)
     assert a.counts["train"] == len(trained)
+    for outcome in ("train", "filtered", "invalid", "stale"):  # the per-pool tally adds up to the counts
+        assert a.outcomes.total(outcome) == a.counts[outcome]
     ids = [d.group.task.task_id for d in trained]
     assert len(ids) == len(set(ids))  # a group is never trained on twice
     for d in trained:

@@ -18,18 +18,23 @@ from services.environment.settings import EnvironmentSettings
 from services.generator.settings import GeneratorSettings
 from services.reward.settings import RewardSettings
 from services.runtime.config import ConfigError, RunSettings, Settings, load, load_section, read_toml
+from services.trainer.advantages import AdvantageConfig
+from services.trainer.objective import ObjectiveConfig
 from services.trainer.settings import TrainerSettings
 from services.up.settings import UpSettings
 
-FROZEN_KEYS: dict[type[Settings], list[str]] = {
+# Settings classes and the nested tables inside them ([trainer.objective] …).
+FROZEN_KEYS: dict[type, list[str]] = {
     RunSettings: ["run", "nats_url", "model_name", "model_path", "pools", "eval_pool", "group_size", "batch_groups",
                   "max_staleness", "run_dir"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "min_batch_groups", "batch_wait_s", "threads", "dtype", "deterministic",
                         "admission", "mid_sequence_swap", "eval_weights", "seed", "env_timeout", "slowdown", "slowdown_file", "vllm"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
-                      "clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
-                      "kl_coef", "aggregation", "normalize_std", "baseline", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
+                      "objective", "advantages", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
                       "transport", "max_steps", "ack_wait", "fetch_timeout", "distributed"],
+    ObjectiveConfig: ["clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
+                      "kl_coef", "aggregation"],
+    AdvantageConfig: ["normalize_std", "baseline"],
     RewardSettings: ["instance", "batch", "concurrency", "format_weight"],
     EnvironmentSettings: ["instance"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "keep_eval_versions", "in_use_ttl"],
@@ -54,18 +59,29 @@ def write(tmp_path: Path, text: str) -> Path:
     return p
 
 
+def fields_of(cls: type) -> dict:
+    """Fields of a settings model or of a nested table (a pydantic dataclass)."""
+    return dict(cls.__pydantic_fields__)  # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("cls", list(FROZEN_KEYS), ids=lambda c: c.__name__)
 def test_public_keys_are_frozen(cls):
-    assert list(cls.model_fields) == FROZEN_KEYS[cls], (
+    assert list(fields_of(cls)) == FROZEN_KEYS[cls], (
         f"{cls.__name__} keys changed: update FROZEN_KEYS deliberately (and the docs)"
     )
 
 
 @pytest.mark.parametrize("cls", list(FROZEN_KEYS), ids=lambda c: c.__name__)
 def test_every_key_is_documented_and_every_default_is_valid(cls):
-    for name, field in cls.model_fields.items():
+    for name, field in fields_of(cls).items():
         assert field.description and len(field.description) > 10, f"{cls.__name__}.{name} has no description"
     cls()  # the defaults alone make a valid config
+
+
+def test_every_nested_table_of_the_trainer_is_listed():
+    for name, field in fields_of(TrainerSettings).items():
+        if hasattr(field.annotation, "__pydantic_fields__"):
+            assert field.annotation in FROZEN_KEYS, f"TrainerSettings.{name} is a table: freeze its keys too"
 
 
 def test_unknown_key_names_it_and_lists_the_valid_ones(tmp_path):
@@ -75,7 +91,7 @@ def test_unknown_key_names_it_and_lists_the_valid_ones(tmp_path):
     msg = str(info.value)
     assert "[trainer] unknown key 'lrr'" in msg
     valid = msg.split("valid keys:")[1]
-    assert all(k in valid for k in ("lr", "clip_high", "max_steps"))
+    assert all(k in valid for k in ("lr", "objective", "advantages", "max_steps"))
 
 
 def test_a_typo_in_an_environment_variable_is_an_error_too(monkeypatch):
@@ -87,13 +103,13 @@ def test_a_typo_in_an_environment_variable_is_an_error_too(monkeypatch):
 def test_environment_overrides_the_file(tmp_path, monkeypatch):
     path = write(tmp_path, '[run]\nmax_staleness = 1\nbatch_groups = 8\n\n[trainer]\nlr = 1e-3\n')
     monkeypatch.setenv("RLBUS_RUN__MAX_STALENESS", "3")
-    monkeypatch.setenv("RLBUS_TRAINER__CORRECTION", "mis")  # a bare string, not TOML
+    monkeypatch.setenv("RLBUS_TRAINER__OBJECTIVE__CORRECTION", "mis")  # a bare string, not TOML
     monkeypatch.setenv("RLBUS_RUN__POOLS", '["math", "code"]')
     run, trainer = load(path, TrainerSettings, "trainer")
     assert run.max_staleness == 3
     assert run.batch_groups == 8  # from the file
     assert run.pools == ["math", "code"]
-    assert trainer.lr == 1e-3 and trainer.correction == "mis"
+    assert trainer.lr == 1e-3 and trainer.objective.correction == "mis"
     assert run.admission_window_groups == (3 + 1) * 8
 
 
@@ -153,3 +169,69 @@ def test_secrets_are_redacted_in_the_logged_config():
     shown = WithSecret(nats_token="s3cr3t").redacted()
     assert shown == {"nats_token": "***", "user": "me"}
     assert WithSecret().redacted()["nats_token"] == ""  # nothing to hide: show that it is empty
+
+
+# ---- nested tables: [trainer.objective], [trainer.advantages] --------------------------------
+
+
+def test_the_trainer_tables_are_the_classes_the_maths_uses(tmp_path, monkeypatch):
+    path = write(tmp_path, "[trainer]\nlr = 1e-3\n\n[trainer.objective]\ncorrection = \"mis\"\nis_cap = 3\n"
+                           "kl_coef = 0.01\n\n[trainer.advantages]\nbaseline = \"leave_one_out\"\n")
+    monkeypatch.setenv("RLBUS_TRAINER__OBJECTIVE__IS_CAP", "4")  # one `__` per level
+    monkeypatch.setenv("RLBUS_TRAINER__ADVANTAGES__NORMALIZE_STD", "false")
+    _, trainer = load(path, TrainerSettings, "trainer")
+    assert trainer.objective == ObjectiveConfig(correction="mis", is_cap=4.0, kl_coef=0.01)  # the file's rest kept
+    assert trainer.advantages == AdvantageConfig(normalize_std=False, baseline="leave_one_out")
+    assert trainer.redacted()["objective"]["is_cap"] == 4.0
+
+
+@pytest.mark.parametrize(("key", "value", "bound"), [
+    ("is_cap", "0.5", "greater than or equal to 1"),  # once passed here and failed at the first step
+    ("is_cap", "inf", "finite"),
+    ("is_low", "1.5", "less than or equal to 1"),
+    ("is_low", "0", "greater than 0"),
+    ("is_high", "0.9", "greater than or equal to 1"),
+    ("seq_low", "1.01", "less than or equal to 1"),
+    ("seq_high", "0.999", "greater than or equal to 1"),
+    ("clip_low", "1.0", "less than 1"),
+    ("clip_high", "-0.1", "greater than or equal to 0"),
+    ("kl_coef", "nan", "finite"),
+    ("correction", '"ppo"', "'tis'"),
+])
+def test_an_objective_bound_is_checked_when_the_config_is_read(tmp_path, key, value, bound):
+    path = write(tmp_path, f"[trainer.objective]\n{key} = {value}\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, TrainerSettings, "trainer")
+    line = str(info.value).splitlines()[1]
+    assert line.strip().startswith(f"[trainer.objective] {key}:") and bound in line, line
+    # ... and it quotes the key's documentation, which says why the bound is what it is.
+    doc = " ".join(fields_of(ObjectiveConfig)[key].description.replace("``", "").split())
+    assert line.endswith(doc)
+
+
+def test_an_old_flat_key_says_where_it_moved(tmp_path, monkeypatch):
+    path = write(tmp_path, "[trainer]\nis_cap = 3\nbaseline = \"mean\"\n")
+    with pytest.raises(ConfigError) as info:
+        load(path, TrainerSettings, "trainer")
+    msg = str(info.value)
+    assert "'is_cap' moved to [trainer.objective] is_cap" in msg and "RLBUS_TRAINER__OBJECTIVE__IS_CAP" in msg
+    assert "'baseline' moved to [trainer.advantages] baseline" in msg
+    monkeypatch.setenv("RLBUS_TRAINER__KL_COEF", "0.1")
+    with pytest.raises(ConfigError, match=r"'kl_coef' moved to \[trainer.objective\] kl_coef"):
+        load(None, TrainerSettings, "trainer")
+
+
+def test_a_typo_inside_a_nested_table_names_the_table(monkeypatch):
+    monkeypatch.setenv("RLBUS_TRAINER__OBJECTIVE__IS_CAPP", "3")
+    with pytest.raises(ConfigError) as info:
+        load(None, TrainerSettings, "trainer")
+    msg = str(info.value)
+    assert "[trainer.objective] unknown key 'is_capp'" in msg
+    assert "is_cap" in msg.split("valid keys:")[1] and "clip_low" in msg
+
+
+def test_a_variable_cannot_open_a_table_where_the_file_has_a_value(tmp_path, monkeypatch):
+    path = write(tmp_path, "[trainer]\nobjective = 3\n")
+    monkeypatch.setenv("RLBUS_TRAINER__OBJECTIVE__IS_CAP", "3")
+    with pytest.raises(ConfigError, match=r"\[trainer\] objective is a value in the config file"):
+        load(path, TrainerSettings, "trainer")

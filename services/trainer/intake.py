@@ -1,0 +1,112 @@
+"""Intake: pull scored groups from the trainer's durable consumer and judge each for the next batch.
+
+Every group pulled is offered to the ``Assembler`` (batch.py), which keeps it for a batch or drops
+it with a reason; the deliveries stay held (strongly, in the Assembler's lists and then the
+Committer's) until the Committer settles them, which is what keeps the bus heartbeating them.
+While a step runs, intake goes on pulling for the next batch, so decoding and judging groups
+overlaps the step instead of following it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Container
+
+from bus.protocol import ConsumerSpec, Delivery, Puller
+from bus.subjects import Subjects
+from observability.logging import get_logger
+from schemas import ScoredGroup
+from services.runtime.config import RunSettings
+from services.runtime.lifecycle import Lifecycle
+from services.trainer.batch import Assembler
+from services.trainer.commit import Committer
+from services.trainer.counters import Counters
+from services.trainer.settings import TrainerSettings
+from services.trainer.telemetry import Telemetry
+
+log = get_logger()
+
+
+def consumer_spec(run_cfg: RunSettings, cfg: TrainerSettings, subjects: Subjects) -> ConsumerSpec:
+    """The durable ``trainer`` consumer of every trained pool's scored groups."""
+    pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
+    window = run_cfg.admission_window_groups
+    # Held un-acked: up to checkpoint_every batches plus what waits for the next batch.
+    max_ack_pending = (cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2) * run_cfg.batch_groups + 512
+    return ConsumerSpec(stream="SCORED", durable=subjects.durable("trainer"),
+                        filter_subjects=tuple(subjects.scored(p) for p in pools), ack_wait=cfg.ack_wait, max_deliver=10,
+                        max_ack_pending=max(max_ack_pending, 8 * window))
+
+
+class _Either:
+    """Membership in either of two containers, without copying a growing ledger."""
+
+    def __init__(self, a: Container[str], b: Container[str]) -> None:
+        self.a, self.b = a, b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
+
+
+class Intake:
+    def __init__(self, puller: Puller[ScoredGroup], assembler: Assembler, committer: Committer, counters: Counters,
+                 telemetry: Telemetry, *, batch_groups: int, fetch_timeout: float, life: Lifecycle) -> None:
+        self._puller = puller
+        self.assembler = assembler  # holds the kept and the dropped deliveries until they are taken
+        self._committer = committer
+        self._counters = counters
+        self._telemetry = telemetry
+        self._batch_groups = batch_groups
+        self._fetch_timeout = fetch_timeout
+        self._life = life
+
+    async def fill_batch(self) -> None:
+        """Pull until a batch is full or the trainer stops; the wait counts as idle time."""
+        t_wait = time.perf_counter()
+        asm = self.assembler
+        while not asm.full and not self._life.stopping.is_set():
+            got = await self._puller.fetch(max(self._batch_groups - len(asm.kept), 1) * 2, timeout=self._fetch_timeout)
+            await self._absorb(got, consumed=self._committer.consumed)
+            if not got:
+                self._telemetry.publish()
+        self._counters.add_idle(time.perf_counter() - t_wait)
+
+    async def prefetch_during(self, step: asyncio.Future[dict[str, float]], in_step: set[str]) -> None:
+        """Take in what arrives for the next batch until ``step`` is done or that batch is full.
+        Groups of the running step (``in_step``) count as consumed: a redelivered copy is a
+        duplicate.  No ledger is written meanwhile: the step is mutating the model."""
+        consumed = _Either(self._committer.consumed, in_step)
+        while not step.done() and not self.assembler.full:
+            got = await self._puller.fetch(self._batch_groups, timeout=0.05)
+            await self._absorb(got, consumed=consumed, may_commit=False)
+            if not got:
+                await asyncio.wait([step], timeout=0.05)
+
+    async def _absorb(self, got: list[Delivery[ScoredGroup]], *, consumed: Container[str],
+                      may_commit: bool = True) -> None:
+        asm = self.assembler
+        dropped = 0
+        for d in got:
+            decision = asm.offer(d.msg, d, version=self._committer.version, consumed=consumed)
+            if decision.reason not in ("train", "duplicate"):
+                dropped += 1
+        if dropped:
+            # Frees admission budget now (the ack still waits for a checkpoint): the controller
+            # re-admits dropped groups only once it hears of them, so tell it now rather than at
+            # the next periodic heartbeat, or the trainer idles meanwhile.
+            self._counters.groups_dropped_total += dropped
+            self._telemetry.publish()
+            await self._telemetry.send()
+        if may_commit and len(asm.dropped) >= self._batch_groups:
+            taken, asm.dropped = asm.dropped, []
+            await self._committer.commit_dropped(taken)
+            self._telemetry.publish()
+
+    async def release(self) -> None:
+        """Give back every group held for a batch (nak: redelivered now, to whoever pulls next)."""
+        for d in [*self.assembler.kept, *self.assembler.dropped]:
+            try:
+                await d.handle.nak()
+            except Exception as exc:  # noqa: BLE001 - the connection may already be gone
+                log.warning("nak_on_shutdown_failed", error=repr(exc))

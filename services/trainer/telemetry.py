@@ -1,0 +1,66 @@
+"""The trainer's heartbeat on ``rl.<run>.metrics.trainer.<instance>``.
+
+Names that another service reads come from ``schemas.metric_keys`` (the controller's admission
+and balance accounting, ``rlbus up``, ``rlbus status``); the rest are for people.  Per-process
+counts (group outcomes, ``trainer/idle_s``) start from zero in each trainer process; the run
+totals (``trainer/groups_trained_total`` …) continue from the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
+from services.runtime.heartbeat import Beat
+from services.runtime.lifecycle import Lifecycle
+from services.trainer.batch import Assembler
+from services.trainer.commit import Committer
+from services.trainer.counters import Counters
+
+_BREAKDOWN = (*OUTCOMES, STALE_HELD)
+
+
+class Telemetry:
+    def __init__(self, beat: Beat, counters: Counters, assembler: Assembler, committer: Committer) -> None:
+        self._beat = beat
+        self._counters = counters
+        self._assembler = assembler
+        self._committer = committer
+
+    def set_state(self, state: str) -> None:
+        self._beat.state = state
+
+    def set_version(self, version: int) -> None:
+        """The heartbeat's own version field (``trainer/version`` follows every ``publish``)."""
+        self._beat.version = version
+
+    def publish(self, extra: Mapping[str, float] | None = None) -> None:
+        """Update what the next heartbeat carries.  ``extra`` (a step's metrics) stays until the
+        next step replaces it."""
+        c, asm, committer = self._counters, self._assembler, self._committer
+        m = self._beat.metrics
+        m.update({TrainerKeys.VERSION: committer.version, TrainerKeys.STEP: committer.step,
+                  TrainerKeys.GROUPS_TRAINED_TOTAL: c.groups_trained_total,
+                  TrainerKeys.GROUPS_DROPPED_TOTAL: c.groups_dropped_total,
+                  "trainer/rollouts_stale_total": c.rollouts_stale_total,
+                  TrainerKeys.IDLE_FRACTION: c.idle_fraction, TrainerKeys.IDLE_S: c.idle_s_process,
+                  TrainerKeys.PENDING_GROUPS: len(asm.kept), "trainer/unacked_groups": len(committer.unacked)})
+        for reason, n in asm.counts.items():
+            m[TrainerKeys.groups(reason)] = n
+        m[TrainerKeys.groups(STALE_HELD)] = asm.outcomes.total(STALE_HELD)
+        for pool, counts in asm.outcomes.by_pool.items():
+            for outcome in _BREAKDOWN:
+                m[TrainerKeys.pool_groups(pool, outcome)] = counts[outcome]
+        for generator, counts in asm.outcomes.by_generator.items():
+            for outcome in _BREAKDOWN:
+                m[TrainerKeys.generator_groups(generator, outcome)] = counts[outcome]
+        if extra:
+            m.update(extra)
+
+    async def send(self) -> None:
+        """One heartbeat now (a step's metrics, or drops the controller should hear of at once)."""
+        await self._beat.send()
+
+    async def loop(self, life: Lifecycle) -> None:
+        """A heartbeat every period until stopping, then a last one saying "stopped"."""
+        await self._beat.loop(life)
