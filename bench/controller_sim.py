@@ -50,7 +50,8 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from services.controller.balance import STALE_HELD, BalanceState
+from schemas.metric_keys import STALE_HELD
+from services.controller.balance import BalanceState
 from services.controller.law import (
     GeneratorView,
     TrainerView,

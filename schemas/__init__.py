@@ -1,7 +1,19 @@
 """Every wire message of rlbus.  Nothing else defines a wire format."""
 
 from schemas.base import ArraySpec, Message, SchemaError
-from schemas.control import Control, DeadLetter, Heartbeat
+from schemas.control import (
+    Admit,
+    AssignPools,
+    Concurrency,
+    Control,
+    DeadLetter,
+    Decision,
+    DecisionClock,
+    Evaluate,
+    Heartbeat,
+    RunState,
+    SetMix,
+)
 from schemas.env import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep
 from schemas.rollout import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, spans_from_versions
 from schemas.task import SamplingParams, Task
@@ -9,8 +21,10 @@ from schemas.weights import Shard, TensorMeta, WeightManifest
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     SamplingParams, Task, Rollout, RolloutGroup, ScoredRollout, ScoredGroup, TensorMeta, Shard,
-    WeightManifest, Control, Heartbeat, DeadLetter, EnvReset, EnvStep, EnvReply,
-    EnvResetBatch, EnvReplyBatch,
+    WeightManifest, Admit, AssignPools, Concurrency, Evaluate, RunState, SetMix, Control, Heartbeat, DeadLetter,
+    EnvReset, EnvStep, EnvReply, EnvResetBatch, EnvReplyBatch,
 )
 
-__all__ = [m.__name__ for m in ALL_MESSAGES] + ["ArraySpec", "Message", "SchemaError", "spans_from_versions"]
+__all__ = [m.__name__ for m in ALL_MESSAGES] + [
+    "ArraySpec", "Decision", "DecisionClock", "Message", "SchemaError", "spans_from_versions",
+]

@@ -258,6 +258,9 @@ def _build_checker(tp: Any) -> Checker:
         spec = args[1]
         return lambda value, field, ctx: _check_array(spec, value, field, ctx)
     if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if all(isinstance(a, type) and issubclass(a, Message) for a in members):
+            return _message_union(tp, members, nullable=type(None) in args)
         nullable = type(None) in args
         inner = [_checker(a) for a in args if a is not type(None)]
 
@@ -312,6 +315,25 @@ def _build_checker(tp: Any) -> Checker:
     def unsupported(value: Any, field: Path, ctx: Ctx) -> Any:
         raise SchemaError(f"codec does not support type {tp!r}", schema=ctx[0], version=ctx[1], field=_path(field))
     return unsupported
+
+
+def _message_union(tp: Any, members: list[type[Message]], *, nullable: bool) -> Checker:
+    """A union of message types is tagged by each member's ``KIND``: dispatch on it, so an error
+    inside the chosen member names its field instead of a bare "none of the types matched"."""
+    by_kind = {m.KIND: m for m in members}
+
+    def check_tagged(value: Any, field: Path, ctx: Ctx) -> Any:
+        if value is None and nullable:
+            return None
+        if not isinstance(value, dict):
+            raise _fail(ctx, field, tp, value)
+        member = by_kind.get(value.get(_KIND))
+        if member is None:
+            raise SchemaError("unknown message kind in a tagged union", schema=ctx[0], version=ctx[1],
+                              field=_path((field, _KIND)), expected=" | ".join(sorted(by_kind)),
+                              got=repr(value.get(_KIND)))
+        return member._from_wire(value, field)
+    return check_tagged
 
 
 def _check_array(spec: ArraySpec, value: Any, field: Path, ctx: Ctx) -> np.ndarray:

@@ -2,9 +2,11 @@
 
 consumes:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  durable 'broadcast'
            rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use
-           rl.<run>.control.generator.all.evaluate  (Control)  versions held-out rounds are pinned to
+           rl.<run>.control.generator.all.evaluate  (Control ``Evaluate``)  versions held-out rounds are pinned to
 produces:  rl.<run>.weights.<model>         (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
            the newest message on that subject is the ``latest`` pointer late joiners read
+           rl.<run>.dead.weights|control     an upload that fails verification; an evaluate record that does
+                                             not decode or holds another decision (with the reason)
 waits for: the trainer's uploads
 A shard whose sha256 does not match is refused: the upload goes to DEAD with the reason and the
 previous version stays current.  Versions beyond ``keep_versions`` are deleted once no generator
@@ -15,11 +17,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
 from bus.subjects import Subjects
 from observability.logging import get_logger
-from schemas import Control, Heartbeat, SchemaError, WeightManifest
+from schemas import Control, Evaluate, Heartbeat, SchemaError, WeightManifest
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -74,8 +77,9 @@ class Broadcaster:
             self.in_use[hb.instance] = (hb.version, time.time() if hb.state != "stopped" else 0.0)
 
     def note_evaluation(self, ctl: Control) -> None:
-        if ctl.action == "evaluate" and self.cfg.keep_eval_versions > 0:
-            self.eval_pins.append(int(ctl.params["version"]))
+        """Pin the version of a held-out round (``Evaluate``); other decisions are not about retention."""
+        if isinstance(ctl.decision, Evaluate) and self.cfg.keep_eval_versions > 0:
+            self.eval_pins.append(ctl.decision.version)
 
     def deletable(self) -> list[int]:
         now = time.time()
@@ -97,44 +101,73 @@ class Broadcaster:
                 "broadcast/verify_seconds": self.verify_seconds}
 
 
-async def run(run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle) -> None:
-    subjects = Subjects(run_cfg.run)
-    b = Broadcaster(make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir), cfg)
-    latest_raw = await bus.last(subjects.weights(run_cfg.model_name))
-    if latest_raw is not None:
-        latest = WeightManifest.decode(latest_raw)
-        b.mark_published(latest)
-        log.info("broadcast_resumed", latest=latest.version)
-    beat = Beat(bus, subjects, "broadcast", cfg.instance)
-    beat.extra = b.metrics
+class BroadcastService:
+    """The I/O around a ``Broadcaster``: uploads in, published manifests and a heartbeat out, and the
+    two watches (generator heartbeats, held-out rounds) that decide what may be deleted."""
 
-    async def on_upload(upload: WeightManifest, d: Delivery[WeightManifest]) -> None:
-        manifest = await b.accept(upload)
+    def __init__(self, run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle,
+                 broadcaster: Broadcaster) -> None:
+        self.run_cfg = run_cfg
+        self.bus = bus
+        self.life = life
+        self.subjects = Subjects(run_cfg.run)
+        self.b = broadcaster
+        self.beat = Beat(bus, self.subjects, "broadcast", cfg.instance)
+        self.beat.extra = broadcaster.metrics
+        self.uploads = ConsumerSpec(stream="WEIGHTS", durable=self.subjects.durable("broadcast"),
+                                    filter_subjects=(self.subjects.weight_uploads(run_cfg.model_name),), ack_wait=120,
+                                    max_deliver=3, max_ack_pending=4)
+
+    async def resume(self) -> None:
+        """Take the latest published version as current (a restarted broadcast)."""
+        latest_raw = await self.bus.last(self.subjects.weights(self.run_cfg.model_name))
+        if latest_raw is not None:
+            latest = WeightManifest.decode(latest_raw)
+            self.b.mark_published(latest)
+            log.info("broadcast_resumed", latest=latest.version)
+
+    def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
+        """Every loop the service runs, for ``run_until_stopped``."""
+        return (lambda: self.beat.loop(self.life), self.watch_generators, self.watch_evaluations,
+                lambda: self.bus.consume(self.uploads, WeightManifest.decode, self.on_upload, batch=1))
+
+    async def on_upload(self, upload: WeightManifest, d: Delivery[WeightManifest]) -> None:
+        manifest = await self.b.accept(upload)
         if manifest is None:
             return
-        await bus.publish(subjects.weights(run_cfg.model_name), manifest.encode(), msg_id=manifest.msg_id)
-        b.mark_published(manifest)
-        beat.version = manifest.version
+        await self.bus.publish(self.subjects.weights(self.run_cfg.model_name), manifest.encode(), msg_id=manifest.msg_id)
+        self.b.mark_published(manifest)
+        self.beat.version = manifest.version
         log.info("weights_published", version=manifest.version, shards=len(manifest.shards))
-        await b.collect_garbage()
+        await self.b.collect_garbage()
 
-    async def watch_generators() -> None:
-        async for d in bus.watch(subjects.metrics_of("generator"), deliver="new"):
+    async def watch_generators(self) -> None:
+        async for d in self.bus.watch(self.subjects.metrics_of("generator"), deliver="new"):
             try:
-                b.note_generator(Heartbeat.decode(d.msg))
+                self.b.note_generator(Heartbeat.decode(d.msg))
             except SchemaError as exc:
                 log.warning("bad_heartbeat", error=str(exc))
 
-    async def watch_evaluations() -> None:
-        async for d in bus.watch(subjects.control_action("generator", "all", "evaluate"), deliver="last_per_subject"):
+    async def watch_evaluations(self) -> None:
+        async for d in self.bus.watch(self.subjects.control_action("generator", "all", "evaluate"),
+                                      deliver="last_per_subject"):
             try:
-                b.note_evaluation(Control.decode(d.msg))
-            except (SchemaError, KeyError, TypeError, ValueError) as exc:
-                log.warning("bad_evaluate_decision", error=str(exc))
+                ctl = Control.decode(d.msg)
+            except SchemaError as exc:
+                await self.bus.dead_letter(d.subject, d.msg, reason="bad_control", error=f"SchemaError: {exc}")
+                continue
+            if not isinstance(ctl.decision, Evaluate):
+                await self.bus.dead_letter(
+                    d.subject, d.msg, reason="misplaced_control",
+                    error=f"a {type(ctl.decision).__name__} decision on {d.subject!r}, where only Evaluate belongs; "
+                          "publish each decision on subjects.control_action(service, instance, control.action)")
+                continue
+            self.b.note_evaluation(ctl)
 
-    spec = ConsumerSpec(stream="WEIGHTS", durable=subjects.durable("broadcast"),
-                        filter_subjects=(subjects.weight_uploads(run_cfg.model_name),), ack_wait=120, max_deliver=3,
-                        max_ack_pending=4)
-    beat.state = "running"
-    await run_until_stopped(life, lambda: beat.loop(life), watch_generators, watch_evaluations,
-                            lambda: bus.consume(spec, WeightManifest.decode, on_upload, batch=1))
+
+async def run(run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle) -> None:
+    service = BroadcastService(run_cfg, cfg, bus=bus, life=life,
+                               broadcaster=Broadcaster(make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir), cfg))
+    await service.resume()
+    service.beat.state = "running"
+    await run_until_stopped(life, *service.workers())

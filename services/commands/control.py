@@ -1,8 +1,15 @@
 """Operator decisions on the CONTROL stream, recorded like the controller's own.
 
-``set-mix a=0.2 b=0.8`` asks the controller for a new target mix between pools (it re-routes the
-generators at its next step and judges the trained mix from then on; the last request is re-read
-when the controller restarts).  ``pause|resume|drain <instance|all>`` go straight to generators.
+``set-mix a=0.2 b=0.8`` asks the controller for a new target mix between pools (a ``SetMix``: it
+re-routes the generators at its next step and judges the trained mix from then on; the last request
+is re-read when the controller restarts).  ``pause|resume|drain <instance|all>`` (a ``RunState``) go
+straight to generators.
+
+Ordering: a receiver applies the decisions of one kind in ``seq`` order, and a generator's drain voids
+the admissions with a lower seq.  So an operator's decision takes its seq from a ``DecisionClock``
+that has first observed the last decision on every subject it is ordered against (``competing``):
+whatever clock skew there is between this machine and the controller's, it sorts after them.  The
+controller observes it in turn, so its own later decisions sort after this one.
 
     python -m services.commands.control set-mix --run demo --nats-url nats://127.0.0.1:4222 a=0.2 b=0.8
 """
@@ -11,9 +18,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from bus.subjects import Subjects
+    from schemas import Control
+
+ISSUER = "operator"
+STATES = ("pause", "resume", "drain")
 
 
 def parse_mix(items: Sequence[str]) -> dict[str, float]:
@@ -27,33 +42,58 @@ def parse_mix(items: Sequence[str]) -> dict[str, float]:
             mix[pool] = float(share)
         except ValueError:
             raise SystemExit(f"mix entry {item!r} must look like POOL=SHARE, e.g. a=0.2") from None
-    if not mix or any(x < 0 for x in mix.values()) or sum(mix.values()) <= 0:
-        raise SystemExit(f"mix {mix} needs non-negative shares, at least one positive")
+    if not mix or any(not math.isfinite(x) or x < 0 for x in mix.values()) or sum(mix.values()) <= 0:
+        raise SystemExit(f"mix {mix} needs finite, non-negative shares, at least one positive")
     return mix
 
 
-def mix_request(mix: dict[str, float], *, reason: str = "operator request", instance: str = "all") -> Any:
-    from schemas import Control
-
-    return Control(seq=int(time.time() * 1e6), action="set_mix", target_service="controller", target_instance=instance,
-                   params={"mix": dict(mix)}, reason=reason, issued_at=time.time())
-
-
-async def send_mix(bus: Any, mix: dict[str, float], *, reason: str = "operator request", instance: str = "all") -> None:
-    """Publish a 'set_mix' request for the controller (``instance`` or every controller)."""
-    ctl = mix_request(mix, reason=reason, instance=instance)
-    await bus.publish(bus.subjects.control_action("controller", instance, "set_mix"), ctl.encode(),
-                      msg_id=f"ctl.op.{ctl.seq}")
+def competing(subjects: Subjects, service: str, instance: str, action: str) -> list[str]:
+    """The subjects whose last decisions this one must sort after: its own subject, and those of every
+    decision the receiver orders it against.  A generator orders pause/resume/drain as one kind across
+    its own and the ``all`` subjects, and a drain voids the admissions before it; a controller orders
+    the mix requests to it and to ``all`` as one kind."""
+    kinds = [*STATES, "admit"] if action in STATES else [action]
+    targets = [instance] if instance == "all" else [instance, "all"]
+    return [subjects.control_action(service, target, kind) for target in targets for kind in kinds
+            if not (target == "all" and kind == "admit")]  # admissions are per generator boot
 
 
-async def send_state(bus: Any, action: str, instance: str, *, reason: str = "operator request") -> None:
-    """Publish 'pause', 'resume' or 'drain' to one generator (or ``all``)."""
-    from schemas import Control
+async def decide(bus: Any, service: str, instance: str, decision: Any, *, reason: str,
+                 now: float | None = None) -> Control:
+    """Publish one operator decision on its subject, with a seq after every competing one."""
+    from schemas import Control, DecisionClock, SchemaError
+    from schemas.control import action_of
 
-    ctl = Control(seq=int(time.time() * 1e6), action=action, target_service="generator",  # type: ignore[arg-type]
-                  target_instance=instance, reason=reason, issued_at=time.time())
-    await bus.publish(bus.subjects.control_action("generator", instance, action), ctl.encode(),
-                      msg_id=f"ctl.op.{ctl.seq}")
+    clock = DecisionClock()
+    for subject in competing(bus.subjects, service, instance, action_of(decision)):
+        raw = await bus.last(subject)
+        if raw is None:
+            continue
+        try:
+            clock.observe(Control.decode(raw).seq)
+        except SchemaError:
+            continue  # its receivers dead-letter it and never apply it: nothing to sort after
+    at = time.time() if now is None else now
+    ctl = Control(seq=clock.next(at), decision=decision, target_service=service, target_instance=instance,
+                  reason=reason, issued_at=at, issuer=ISSUER)
+    await bus.publish(bus.subjects.control_action(service, instance, ctl.action), ctl.encode(), msg_id=ctl.msg_id)
+    return ctl
+
+
+async def send_mix(bus: Any, mix: dict[str, float], *, reason: str = "operator request", instance: str = "all",
+                   now: float | None = None) -> Control:
+    """Publish a ``SetMix`` request for the controller (``instance`` or every controller)."""
+    from schemas import SetMix
+
+    return await decide(bus, "controller", instance, SetMix(mix=dict(mix)), reason=reason, now=now)
+
+
+async def send_state(bus: Any, state: Literal["pause", "resume", "drain"], instance: str, *,
+                     reason: str = "operator request", now: float | None = None) -> Control:
+    """Publish a ``RunState`` (pause, resume or drain) to one generator (or ``all``)."""
+    from schemas import RunState
+
+    return await decide(bus, "generator", instance, RunState(state=state), reason=reason, now=now)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -65,23 +105,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     mix = sub.add_parser("set-mix", help="new target mix between pools, e.g. a=0.2 b=0.8")
     mix.add_argument("shares", nargs="+")
     mix.add_argument("--controller", default="all", help="controller instance (default: every one)")
-    for action in ("pause", "resume", "drain"):
+    for action in STATES:
         sub.add_parser(action, help=f"{action} a generator").add_argument("instance", help="generator instance or 'all'")
     args = ap.parse_args(argv)
 
-    async def go() -> None:
+    async def go() -> Control:
         from bus.jetstream import JetStreamBus
 
         bus = await JetStreamBus.connect(args.nats_url, args.run, name="rlbus-control")
         try:
             if args.cmd == "set-mix":
-                await send_mix(bus, parse_mix(args.shares), reason=args.reason, instance=args.controller)
-            else:
-                await send_state(bus, args.cmd, args.instance, reason=args.reason)
+                return await send_mix(bus, parse_mix(args.shares), reason=args.reason, instance=args.controller)
+            return await send_state(bus, args.cmd, args.instance, reason=args.reason)
         finally:
             await bus.close()
 
-    asyncio.run(go())
+    ctl = asyncio.run(go())
+    print(f"{ctl.action} -> {ctl.target_service}/{ctl.target_instance} (seq {ctl.seq})")
     return 0
 
 

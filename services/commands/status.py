@@ -9,11 +9,15 @@ Built from what is on the bus, so it works from any machine: the last heartbeat 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
+
+from schemas.metric_keys import GeneratorKeys as G
+from schemas.metric_keys import TrainerKeys as T
 
 GEN, TRAINER, CONTROLLER = "generator", "trainer", "controller"
 WORK_STREAMS = ("_TASKS", "_ROLLOUTS", "_SCORED")  # where the durable consumers (and queue depths) are
@@ -25,14 +29,35 @@ def _num(x: Any, nd: int = 3) -> Any:
     return x
 
 
+def decision_fields(decision: Any) -> dict[str, Any]:
+    """The fields of a typed decision as plain data (``Admit`` -> boot, grant_total, min_version)."""
+    return {f.name: getattr(decision, f.name) for f in dataclasses.fields(decision)}
+
+
+def describe(decision: Any) -> str:
+    """One line for a table cell: ``grant_total=40 min_version=2 boot=b1``."""
+    parts = []
+    for k, v in decision_fields(decision).items():
+        if k == "state" or v in ("", {}, []):  # the state is the action itself; empty fields say nothing
+            continue
+        if isinstance(v, dict):
+            v = ",".join(f"{p}:{_fmt(x)}" for p, x in v.items())
+        elif isinstance(v, list):
+            v = ",".join(map(str, v))
+        parts.append(f"{k}={v}")
+    return " ".join(parts)
+
+
 def _last_decisions(decisions: Iterable[Any], now: float) -> dict[str, dict[str, Any]]:
     """The newest decision per target ``service/instance`` (and per service for ``all``)."""
     out: dict[str, tuple[int, dict[str, Any]]] = {}
     for c in decisions:
         key = f"{c.target_service}/{c.target_instance}"
         if key not in out or c.seq > out[key][0]:
-            out[key] = (c.seq, {"action": c.action, "params": c.params, "reason": c.reason,
-                                "age_s": round(now - c.issued_at, 1) if c.issued_at else None})
+            out[key] = (c.seq, {"action": c.action, "decision": decision_fields(c.decision), "issuer": c.issuer,
+                                "seq": c.seq, "reason": c.reason,
+                                "age_s": round(now - c.issued_at, 1) if c.issued_at else None,
+                                "summary": describe(c.decision)})
     return {k: v for k, (_, v) in sorted(out.items())}
 
 
@@ -66,17 +91,17 @@ def build_snapshot(run: str, heartbeats: Iterable[Any], streams: Iterable[Any], 
         row: dict[str, Any] = {"service": hb.service, "instance": hb.instance, "state": hb.state, "version": hb.version,
                                "age_s": round(now - hb.ts, 1), "rate": None, "lag": None, "in_flight": None}
         if hb.service == GEN:
-            row |= {"rate": _num(m.get("generator/groups_per_s")), "in_flight": _num(m.get("generator/in_flight")),
-                    "concurrency": _num(m.get("generator/concurrency")), "pools": hb.info.get("pools", []),
-                    "shares": hb.info.get("shares", {}), "started": _num(m.get("generator/groups_started")),
-                    "granted": _num(m.get("generator/grant_total")),
+            row |= {"rate": _num(m.get(G.GROUPS_PER_S)), "in_flight": _num(m.get("generator/in_flight")),
+                    "concurrency": _num(m.get(G.CONCURRENCY)), "pools": hb.info.get(G.INFO_POOLS, []),
+                    "shares": hb.info.get(G.INFO_SHARES, {}), "started": _num(m.get(G.GROUPS_STARTED)),
+                    "granted": _num(m.get(G.GRANT_TOTAL)),
                     "effective_rate": _num(ctl.get(f"controller/generator/{hb.instance}/effective_rate")),
                     "latency_s": _num(ctl.get(f"controller/generator/{hb.instance}/latency_s"))}
         elif hb.service == TRAINER:
             row |= {"rate": _num(ctl.get("controller/balance/consumption")),
-                    "in_flight": _num(m.get("trainer/pending_groups")), "idle_fraction": _num(m.get("trainer/idle_fraction")),
-                    "step": _num(m.get("trainer/step")), "trained": _num(m.get("trainer/groups_trained_total")),
-                    "dropped": _num(m.get("trainer/groups_dropped_total")), "stale": _num(m.get("trainer/groups_stale"))}
+                    "in_flight": _num(m.get(T.PENDING_GROUPS)), "idle_fraction": _num(m.get(T.IDLE_FRACTION)),
+                    "step": _num(m.get(T.STEP)), "trained": _num(m.get(T.GROUPS_TRAINED_TOTAL)),
+                    "dropped": _num(m.get(T.GROUPS_DROPPED_TOTAL)), "stale": _num(m.get(T.groups("stale")))}
         elif hb.service == "reward":
             row |= {"rate": _num(m.get("reward/groups_per_s")), "in_flight": _num(m.get("reward/in_flight"))}
         if trainer_version is not None and hb.version >= 0 and hb.service in (GEN, "broadcast"):
@@ -91,9 +116,9 @@ def build_snapshot(run: str, heartbeats: Iterable[Any], streams: Iterable[Any], 
     c, e = balance.get("consumption"), balance.get("effective")
     balance["e_over_c"] = round(e / c, 3) if c and e is not None else None
     if trainer is not None:
-        balance["trainer_idle_fraction_total"] = _num(trainer.metrics.get("trainer/idle_fraction"))
+        balance["trainer_idle_fraction_total"] = _num(trainer.metrics.get(T.IDLE_FRACTION))
         balance["trainer_version"] = trainer.version
-    balance["generator_groups_per_s"] = _num(sum(hb.metrics.get("generator/groups_per_s", 0.0) for hb in hbs.values()
+    balance["generator_groups_per_s"] = _num(sum(hb.metrics.get(G.GROUPS_PER_S, 0.0) for hb in hbs.values()
                                                  if hb.service == GEN and hb.state != "stopped"))
     admission = {k.split("/", 1)[1]: _num(v) for k, v in ctl.items()
                  if k in ("controller/allowed_total", "controller/trained_bound", "controller/oversample",
@@ -130,7 +155,7 @@ def render(snap: dict[str, Any]) -> list[Any]:
         else:
             detail = ""
         d = r.get("last_decision")
-        decision = f"{d['action']} {_fmt(d['age_s'])}s ago: {d['reason'][:70]}" if d else "-"
+        decision = _decision_line(d) if d else "-"
         inst.add_row(key, r["state"], _fmt(r["version"]), _fmt(r["lag"]), _fmt(r["rate"]), _fmt(r["in_flight"]),
                      detail, decision)
     out: list[Any] = [inst]
@@ -158,9 +183,20 @@ def render(snap: dict[str, Any]) -> list[Any]:
             queues.add_row(name if i == 0 else "", _fmt(q["messages"]) if i == 0 else "", c, _fmt(st["pending"]),
                            _fmt(st["ack_pending"]), _fmt(st["redelivered"]))
     out.append(queues)
+    notes = []
     if snap["admission"]:
-        out.append("admission: " + ", ".join(f"{k}={_fmt(v)}" for k, v in snap["admission"].items()))
+        notes.append("admission: " + ", ".join(f"{k}={_fmt(v)}" for k, v in snap["admission"].items()))
+    # Decisions addressed to every instance of a service (a mix request, a held-out round).
+    notes += [f"last decision to {target}: {_decision_line(d)}" for target, d in snap["decisions"].items()]
+    if notes:
+        out.append("\n".join(notes))
     return out
+
+
+def _decision_line(d: dict[str, Any]) -> str:
+    """``admit grant_total=40 min_version=2 boot=x (controller-0, 2s ago): allowed=...``"""
+    head = " ".join(x for x in (d["action"], d["summary"]) if x)
+    return f"{head} ({d['issuer'] or 'issuer unknown'}, {_fmt(d['age_s'])}s ago): {d['reason'][:70]}"
 
 
 async def snapshot(bus: Any, run: str, seconds: float) -> dict[str, Any]:

@@ -23,10 +23,9 @@ running groups / publish rate: load-independent, unlike the rate, so a generator
 does not look slow for it), its slots as it reports them, and its fresh fraction (share of its
 groups that arrived in time).
 
-A trainer that reports its outcomes only in total (no pool breakdown) is fed under the pool name
-``AGGREGATE``; the per-pool signals are then estimated from what the generators published per pool
-(``observe_generator(published_by_pool=...)``) with the overall fractions, and say so
-(``PoolSignals.source``).
+Outcomes come per pool and per generator, as the trainer reports them (``schemas/metric_keys.py``);
+until the trainer reports per-pool counts, the trained mix is judged on what the generators
+published per pool (``observe_published_by_pool``, ``mix_source``).
 
 A restarted trainer (its trained total went down) or a new generator boot counts again from zero.
 """
@@ -37,14 +36,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from schemas.metric_keys import OUTCOMES, STALE_HELD
 from services.controller.law import Speed
 
-REASONS = ("train", "filtered", "invalid", "stale")  # the trainer's per-group outcomes (batch.py)
-# The part of ``stale`` that had passed the filter and went stale while held for a batch
-# (batch.py's requeue_stale moves it from ``train``): still kept, as far as the filter goes.
-STALE_HELD = "stale_held"
-# The pool name under which a trainer's outcome totals go when it reports no per-pool breakdown.
-AGGREGATE = "*"
+# ``STALE_HELD``: the part of ``stale`` that had passed the filter and went stale while held for a
+# batch (the trainer's requeue_stale moves it from ``train``): still kept, as far as the filter goes.
 
 
 @dataclass
@@ -117,7 +113,6 @@ class PoolSignals:
     stale_fraction: float  # of arrivals, late or gone stale while held
     effective: float  # E_p: P_p x share of arrivals actually trained
     trained_total: int
-    source: str = "trainer"  # "generators": the trainer reports totals only; C_p, k_p estimated from P_p's share
 
 
 @dataclass(frozen=True)
@@ -180,9 +175,9 @@ class BalanceState:
         self._mix_base: dict[str, int] = {}
 
     def observe_generator(self, instance: str, t: float, *, started: int, published: int, boot: str = "",
-                          slots: int = 0, pool: str = "", published_by_pool: Mapping[str, float] | None = None) -> None:
+                          slots: int = 0, pool: str = "") -> None:
         """Cumulative ``started``/``published`` of this boot; ``slots``: groups it runs at once (0 = unknown);
-        ``pool``: the pool it samples first (its routing); ``published_by_pool``: cumulative per pool."""
+        ``pool``: the pool it samples first (its routing)."""
         self._slots[instance] = (slots, pool)
         prev = self._gen.get(instance)
         if prev is None or prev[0] != boot:
@@ -192,7 +187,6 @@ class BalanceState:
             self._gen_running[instance] = 0.0
         _, counters, sums = prev
         values = {"started": float(started), "published": float(published)}
-        values |= {f"published:{p}": float(n) for p, n in (published_by_pool or {}).items()}
         step = counters.step(t, values)
         running_before = self._gen_running.get(instance, 0.0)
         self._gen_running[instance] = max(started - published, 0)
@@ -200,8 +194,7 @@ class BalanceState:
             return
         dt, d = step
         if running_before > 0 or d["published"] > 0 or d["started"] > 0:
-            sums.add(dt, {"published": d["published"], "running_s": running_before * dt,
-                          **{k: v for k, v in d.items() if k.startswith("published:")}})
+            sums.add(dt, {"published": d["published"], "running_s": running_before * dt})
 
     def forget_generator(self, instance: str) -> None:
         self._gen.pop(instance, None)
@@ -212,19 +205,18 @@ class BalanceState:
                         by_generator: Mapping[str, Mapping[str, int]] | None = None,
                         idle_s: float | None = None) -> None:
         """``by_pool[pool][reason]`` and ``by_generator[instance][reason]``: cumulative group outcomes
-        (reasons as in ``REASONS``, plus ``STALE_HELD`` per pool when the trainer reports it);
+        (``OUTCOMES``, plus ``STALE_HELD`` when the trainer reports it);
         ``idle_s``: cumulative seconds spent waiting for a batch."""
         values: dict[str, float] = {"trained": float(trained_total)}
-        if self._pool_proxy and set(by_pool) - {AGGREGATE}:
+        if self._pool_proxy and by_pool:
             # Per-pool trainer counts from now on: the stand-in and the mix judged on it go.
             self.trained_by_pool, self._mix_base, self._pool_proxy = {}, {}, False
         for pool, counts in by_pool.items():
-            for r in (*REASONS, STALE_HELD):
+            for r in (*OUTCOMES, STALE_HELD):
                 values[f"pool:{pool}/{r}"] = float(counts.get(r, 0))
-            if pool != AGGREGATE:
-                self.trained_by_pool[pool] = int(counts.get("train", 0))
+            self.trained_by_pool[pool] = int(counts.get("train", 0))
         for inst, counts in (by_generator or {}).items():
-            for r in (*REASONS, STALE_HELD):
+            for r in (*OUTCOMES, STALE_HELD):
                 values[f"gen:{inst}/{r}"] = float(counts.get(r, 0))
         if idle_s is not None:
             values["idle_s"] = float(idle_s)
@@ -263,16 +255,10 @@ class BalanceState:
         live_set = set(live) if live is not None else set(self._gen)
         rates = {g: sums.rate("published") for g, (_, _, sums) in self._gen.items() if g in live_set and sums.time > 0}
         production = sum(rates.values())
-        pools = sorted({k.split("/", 1)[0][5:] for k in s.sums if k.startswith("pool:")} - {AGGREGATE})
-        by_pool_prod: dict[str, float] = {}
-        for g, (_, _, sums) in self._gen.items():
-            if g in rates:
-                for k in sums.sums:
-                    if k.startswith("published:"):
-                        by_pool_prod[k[10:]] = by_pool_prod.get(k[10:], 0.0) + sums.rate(k)
+        pools = sorted({k.split("/", 1)[0][5:] for k in s.sums if k.startswith("pool:")})
 
         def tally(keys: list[str]) -> dict[str, float]:
-            t = {r: sum(s.get(f"{k}/{r}") for k in keys) for r in (*REASONS, STALE_HELD)}
+            t = {r: sum(s.get(f"{k}/{r}") for k in keys) for r in (*OUTCOMES, STALE_HELD)}
             t["kept"] = t["train"] + t[STALE_HELD]  # passed the filter
             t["judged"] = t["kept"] + t["filtered"] + t["invalid"]  # the filter's verdicts (late arrivals have none)
             t["arrived"] = t["judged"] + t["stale"] - t[STALE_HELD]
@@ -281,7 +267,7 @@ class BalanceState:
         def ratio(a: float, b: float) -> float:
             return a / b if b > 0 else math.nan
 
-        every = tally([f"pool:{p}" for p in pools] or [f"pool:{AGGREGATE}"])
+        every = tally([f"pool:{p}" for p in pools])
         pool_signals = {}
         for p in pools:
             t = tally([f"pool:{p}"])
@@ -293,19 +279,6 @@ class BalanceState:
                 stale_fraction=ratio(t["stale"], t["arrived"]) if t["arrived"] > 0 else 0.0,
                 effective=prod * (ratio(t["train"], t["arrived"]) if t["arrived"] > 0 else 1.0),
                 trained_total=self.trained_by_pool.get(p, 0))
-        if not pools and by_pool_prod:
-            # Totals only from the trainer: each pool gets the overall fractions on its own production.
-            usable = ratio(every["kept"], every["arrived"])
-            trained_share = ratio(every["train"], every["arrived"]) if every["arrived"] > 0 else 1.0
-            total_prod = sum(by_pool_prod.values())
-            for p, prod in sorted(by_pool_prod.items()):
-                share = prod / total_prod if total_prod > 0 else 0.0
-                pool_signals[p] = PoolSignals(
-                    consumption=s.rate("trained") * share, production=prod,
-                    kept_fraction=ratio(every["kept"], every["judged"]), usable_fraction=usable,
-                    usable_fraction_upper=wilson_upper(usable, every["arrived"]),
-                    stale_fraction=ratio(every["stale"], every["arrived"]) if every["arrived"] > 0 else 0.0,
-                    effective=prod * trained_share, trained_total=self.trained_by_pool.get(p, 0), source="generators")
         speeds = {}
         for g in rates:
             t = tally([f"gen:{g}"])

@@ -288,50 +288,15 @@ def plan_balanced(
     speed = _speeds(live, speeds)
     reference = reference_latency(speed)
     caps = [unstarted_cap(sp, reference, max_outstanding) for sp in speed]
-    reclaimed = {}
-    for g, cap in zip(live, caps, strict=True):
-        if g.outstanding > cap:
-            reclaimed[g.instance] = g.outstanding - cap
-            g.granted = g.started + cap
+    reclaimed = _take_back_excess(live, caps)
     committed = sum(max(g.granted, g.started, g.reported_grant) for g in generators)
-    available = max(allowed - committed, 0)
-    typical = _typical_latency(speed)
-    # Compare in pool-relative latencies when every generator's concurrency is known, else by rate.
-    relative = bool(speed) and all(sp.slots > 0 for sp in speed)
-
-    def finish(i: int) -> float:
-        sp = speed[i]
-        return finish_time(live[i], sp, typical.get(sp.pool, sp.latency_s) if relative else None)
-
-    def grant_one(g: GeneratorView) -> None:
-        nonlocal available
-        g.granted = max(g.granted, g.started) + 1
-        available -= 1
-
     # A generator still on weights ``w < V`` samples groups up to ``V - w`` versions staler than the
     # window assumes, so it may only use the window as it stood at ``w``: B groups less per version
     # behind.  (Right after a version bump that holds the freed budget until the new weights arrive.)
-    def lag(g: GeneratorView) -> int:
-        w = g.weights_version
-        return 0 if w is None or not hold_for_weights else min(max(trainer.version - w, 0), max_staleness + 1)
-
-    # A generator with nothing in hand gets one group first, so its speed keeps being measured
-    # (a slowed generator that recovers is seen to recover).
-    for g in live:
-        if available > lag(g) * batch_groups and g.running + g.outstanding == 0 and max_outstanding >= 1:
-            grant_one(g)
-    # Then each group goes to whoever would finish it first: work in hand ends up proportional to
-    # speed, and a slow generator holds little, so its samples do not age.
-    heap = [(finish(i), i) for i, g in enumerate(live) if g.outstanding < caps[i]]
-    heapq.heapify(heap)
-    while available > 0 and heap:
-        _, i = heapq.heappop(heap)
-        g = live[i]
-        if available <= lag(g) * batch_groups:
-            continue  # stays out for this plan: the budget only shrinks from here
-        grant_one(g)
-        if g.outstanding < caps[i]:
-            heapq.heappush(heap, (finish(i), i))
+    held_back = [_versions_behind(g, trainer, max_staleness) * batch_groups if hold_for_weights else 0 for g in live]
+    handout = _Handout(live, speed, caps, held_back, available=max(allowed - committed, 0))
+    handout.one_each(max_outstanding)
+    handout.by_finish_time()
     started_total = sum(g.started for g in generators)
     split = ", ".join(f"{g.instance} {sp.latency_s:.1f}s/{sp.slots}:{g.running}+{g.outstanding}"
                       for g, sp in list(zip(live, speed, strict=True))[:8])
@@ -345,6 +310,67 @@ def plan_balanced(
                          grants={(g.instance, g.boot): g.granted for g in generators}, reason=reason,
                          trained_bound=bound, oversample=extra, lost=[n.split(" ", 1)[0] for n in notes],
                          reclaimed=reclaimed)
+
+
+def _take_back_excess(live: Sequence[GeneratorView], caps: Sequence[int]) -> dict[str, int]:
+    """Cut each live generator's unstarted grant to its cap; returns what was taken back, per instance."""
+    reclaimed = {}
+    for g, cap in zip(live, caps, strict=True):
+        if g.outstanding > cap:
+            reclaimed[g.instance] = g.outstanding - cap
+            g.granted = g.started + cap
+    return reclaimed
+
+
+def _versions_behind(g: GeneratorView, trainer: TrainerView, max_staleness: int) -> int:
+    """Versions ``g``'s weights lag the trainer's (0 when unknown), at most the whole window."""
+    w = g.weights_version
+    return 0 if w is None else min(max(trainer.version - w, 0), max_staleness + 1)
+
+
+class _Handout:
+    """``plan_balanced``'s split: ``available`` groups to ``live`` generators, one at a time.
+
+    ``held_back[i]``: the part of the budget generator ``i`` may not use (its weights lag); it takes
+    a group only while more than that is available.  Generators compare by ``finish_time`` in
+    pool-relative latencies when every one's concurrency is known, else by rate.
+    """
+
+    def __init__(self, live: list[GeneratorView], speed: list[Speed], caps: list[int], held_back: list[int], *,
+                 available: int) -> None:
+        self.live, self.speed, self.caps, self.held_back = live, speed, caps, held_back
+        self.available = available
+        self.typical = _typical_latency(speed)
+        self.relative = bool(speed) and all(sp.slots > 0 for sp in speed)
+
+    def finish(self, i: int) -> float:
+        sp = self.speed[i]
+        return finish_time(self.live[i], sp, self.typical.get(sp.pool, sp.latency_s) if self.relative else None)
+
+    def grant_one(self, g: GeneratorView) -> None:
+        g.granted = max(g.granted, g.started) + 1
+        self.available -= 1
+
+    def one_each(self, max_outstanding: int) -> None:
+        """A generator with nothing in hand gets one group first, so its speed keeps being measured
+        (a slowed generator that recovers is seen to recover)."""
+        for i, g in enumerate(self.live):
+            if self.available > self.held_back[i] and g.running + g.outstanding == 0 and max_outstanding >= 1:
+                self.grant_one(g)
+
+    def by_finish_time(self) -> None:
+        """Each next group to whoever would finish it first: work in hand ends up proportional to
+        speed, and a slow generator holds little, so its samples do not age."""
+        heap = [(self.finish(i), i) for i, g in enumerate(self.live) if g.outstanding < self.caps[i]]
+        heapq.heapify(heap)
+        while self.available > 0 and heap:
+            _, i = heapq.heappop(heap)
+            g = self.live[i]
+            if self.available <= self.held_back[i]:
+                continue  # stays out for this plan: the budget only shrinks from here
+            self.grant_one(g)
+            if g.outstanding < self.caps[i]:
+                heapq.heappush(heap, (self.finish(i), i))
 
 
 @dataclass(frozen=True)
@@ -386,18 +412,9 @@ def assign_routes(
         raise ValueError(f"catch_up_groups={catch_up_groups} must be > 0")
     total_w = sum(target_mix[p] for p in pools)
     target = {p: target_mix[p] / total_w for p in pools}
-    n = sum(max(trained_by_pool.get(p, 0), 0) for p in pools)
-    want = {p: max(target[p] + (target[p] * n - trained_by_pool.get(p, 0)) / catch_up_groups, 0.0) for p in pools}
     with_work = [p for p in pools if backlog_by_pool.get(p, 1) > 0]
-    if with_work:
-        want = {p: want[p] if p in with_work else 0.0 for p in pools}
-        if sum(want.values()) <= 0:
-            want = {p: target[p] if p in with_work else 0.0 for p in pools}
-    elif sum(want.values()) <= 0:
-        want = dict(target)
-    need = {p: want[p] * (cost_by_pool or {}).get(p, 1.0) / max((kept_by_pool or {}).get(p, 1.0), 0.05) for p in pools}
-    total_need = sum(need.values())
-    need = {p: x / total_need for p, x in need.items()}
+    need = _capacity_need(pools, target, trained_by_pool, with_work, kept_by_pool or {}, cost_by_pool or {},
+                          catch_up_groups)
     reason = ("need " + ", ".join(f"{p} {need[p]:.2f}" for p in pools) + " (target "
               + ", ".join(f"{p} {target[p]:.2f}" for p in pools) + "; trained since target "
               + ", ".join(f"{p} {trained_by_pool.get(p, 0)}" for p in pools)
@@ -406,20 +423,51 @@ def assign_routes(
     live = [g for g in generators if g.alive and not g.draining]
     if not live:
         return RoutingPlan({}, need, reason + "; no live generator")
-    # Stacked by what each generator actually produces (its share of the starts decides the mix),
-    # not by what it could; an unmeasured one counts as typical, one that produces nothing as a sliver.
-    given = {g.instance: g.rate for g in live if g.rate > 0} if rates is None else rates
-    known = {i: r for i, r in given.items() if math.isfinite(r) and r >= 0}
-    positive = sorted(r for r in known.values() if r > 0)
-    typical = positive[len(positive) // 2] if positive else 1.0
-    floor = 0.02 * (positive[-1] if positive else 1.0)
-    speed = {g.instance: max(known.get(g.instance, typical), floor) for g in live}
+    speed = _stacking_speeds(live, rates)
 
     def order(g: GeneratorView) -> tuple[int, str]:
         mine = list((current or {}).get(g.instance, ()))
         return (pools.index(mine[0]) if mine and mine[0] in pools else len(pools), g.instance)
 
     live.sort(key=order)
+    return RoutingPlan(_stack(live, speed, need, pools, backlog_by_pool if fallback else None), need, reason)
+
+
+def _capacity_need(pools: list[str], target: Mapping[str, float], trained_by_pool: Mapping[str, int],
+                   with_work: list[str], kept_by_pool: Mapping[str, float], cost_by_pool: Mapping[str, float],
+                   catch_up_groups: float) -> dict[str, float]:
+    """Each pool's share of the generator capacity needed: the target plus the trained mix's deficit
+    (spread over ``catch_up_groups``), none for a pool without backlog while another has some,
+    scaled by cost and by 1 / kept fraction, normalised."""
+    n = sum(max(trained_by_pool.get(p, 0), 0) for p in pools)
+    want = {p: max(target[p] + (target[p] * n - trained_by_pool.get(p, 0)) / catch_up_groups, 0.0) for p in pools}
+    if with_work:
+        want = {p: want[p] if p in with_work else 0.0 for p in pools}
+        if sum(want.values()) <= 0:
+            want = {p: target[p] if p in with_work else 0.0 for p in pools}
+    elif sum(want.values()) <= 0:
+        want = dict(target)
+    need = {p: want[p] * cost_by_pool.get(p, 1.0) / max(kept_by_pool.get(p, 1.0), 0.05) for p in pools}
+    total_need = sum(need.values())
+    return {p: x / total_need for p, x in need.items()}
+
+
+def _stacking_speeds(live: Sequence[GeneratorView], rates: Mapping[str, float] | None) -> dict[str, float]:
+    """What each generator produces, to stack by (its share of the starts decides the mix), not what it
+    could; an unmeasured one counts as typical, one that produces nothing as a sliver."""
+    given = {g.instance: g.rate for g in live if g.rate > 0} if rates is None else rates
+    known = {i: r for i, r in given.items() if math.isfinite(r) and r >= 0}
+    positive = sorted(r for r in known.values() if r > 0)
+    typical = positive[len(positive) // 2] if positive else 1.0
+    floor = 0.02 * (positive[-1] if positive else 1.0)
+    return {g.instance: max(known.get(g.instance, typical), floor) for g in live}
+
+
+def _stack(live: Sequence[GeneratorView], speed: Mapping[str, float], need: Mapping[str, float],
+           pools: list[str], fallback_backlog: Mapping[str, int] | None) -> dict[str, Route]:
+    """Lay the generators, in ``live``'s order and each as wide as its share of the speed, over the
+    pools' shares of the need; each gets the pools it overlaps, the majority first, then (with a
+    ``fallback_backlog``) every other pool that has work."""
     total_speed = sum(speed.values())
     edges, acc = [], 0.0
     for p in pools:
@@ -437,11 +485,11 @@ def assign_routes(
         shares = {p: round(w / width, 4) for w, p in overlap}
         if not mine:  # rounding at the top end
             mine, shares = [pools[-1]], {pools[-1]: 1.0}
-        if fallback:
-            mine += [p for p in pools if p not in mine and backlog_by_pool.get(p, 1) > 0]
+        if fallback_backlog is not None:
+            mine += [p for p in pools if p not in mine and fallback_backlog.get(p, 1) > 0]
         out[g.instance] = Route(mine, shares)
         lo = hi
-    return RoutingPlan(out, need, reason)
+    return out
 
 
 def assign_pools(

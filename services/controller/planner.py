@@ -9,19 +9,21 @@ was set and the task backlog per pool) and per-generator concurrency (``law.plan
 A decision is re-sent only when it changes, or after ``refresh`` seconds when the generator's
 heartbeat does not show it yet (a late joiner, a lost message).
 
-Each decision is a ``Control`` on ``rl.<run>.control.<service>.<instance>.<action>`` with the inputs it
-was taken on and its reason; ``seq`` grows across restarts (microseconds at start, +1 per decision),
-so a reader applies the latest of each kind.
+Each decision is a ``Control`` around one typed decision (``Admit``, ``RunState``, ``AssignPools``,
+``Concurrency``, ``Evaluate``) with the inputs it was taken on and its reason, for
+``rl.<run>.control.<service>.<instance>.<action>``.  Its ``seq`` comes from ``clock``, the run's one
+``DecisionClock``: the service feeds it every seq seen on the run's CONTROL stream (``observe``), so
+a decision taken here sorts after every decision any issuer (an operator, an earlier controller)
+published before it, and a receiver that applies the latest of each kind applies it.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import Control
+from schemas import Admit, AssignPools, Concurrency, Control, Decision, DecisionClock, Evaluate, RunState, SetMix
 from services.controller.law import (
     AdmissionPlan,
     assign_routes,
@@ -33,13 +35,6 @@ from services.controller.settings import ControllerSettings
 from services.controller.state import ControllerState
 
 SHARE_STEP = 0.1  # a generator's pool shares are re-sent when one moves by more (rates are noisy)
-
-
-@dataclass(frozen=True)
-class Decision:
-    service: str
-    instance: str
-    control: Control
 
 
 class MixError(ValueError):
@@ -73,7 +68,7 @@ class Planner:
     batch_groups: int
     max_staleness: int
     state: ControllerState = field(init=False)
-    seq: int = field(default_factory=lambda: int(time.time() * 1e6))
+    clock: DecisionClock = field(default_factory=DecisionClock)
 
     def __post_init__(self) -> None:
         self.state = ControllerState(tau_s=self.cfg.tau)
@@ -82,7 +77,6 @@ class Planner:
         self.mix_seq = -1
         self.last_plan: AdmissionPlan | None = None
         self.last_route_at = -math.inf
-        self.last_decision: dict[str, tuple[str, str]] = {}  # instance -> (action, reason)
         self._admits: dict[tuple[str, str], _Sent] = {}
         self._routes: dict[str, _Sent] = {}
         self._concurrency: dict[str, _Sent] = {}
@@ -91,11 +85,18 @@ class Planner:
         self.signals = self.state.balance.signals([])
 
     # --- inputs ------------------------------------------------------------------------------
+    def observe(self, ctl: Control) -> None:
+        """A decision seen on the run's CONTROL stream (any issuer, this one included): the next
+        decisions taken here must sort after it."""
+        self.clock.observe(ctl.seq)
+
     def set_mix(self, ctl: Control) -> str | None:
-        """Apply a 'set_mix' request (the newest wins); returns a note, or raises ``MixError``."""
-        if ctl.action != "set_mix" or ctl.seq <= self.mix_seq:
+        """Apply a ``SetMix`` request (the newest wins); returns a note, or raises ``MixError``."""
+        if not isinstance(ctl.decision, SetMix):
+            raise MixError(f"a {ctl.action!r} decision is not a mix request; the controller takes 'set_mix' only")
+        if ctl.seq <= self.mix_seq:
             return None
-        mix = normalise_mix(dict(ctl.params.get("mix", {})), self.pools)
+        mix = normalise_mix(ctl.decision.mix, self.pools)
         self.mix_seq = ctl.seq
         if mix != self.target_mix:
             self.target_mix = mix
@@ -105,13 +106,9 @@ class Planner:
         return None
 
     # --- decisions -----------------------------------------------------------------------------
-    def _control(self, service: str, instance: str, action: str, params: dict[str, Any], reason: str,
-                 inputs: dict[str, Any], now: float) -> Decision:
-        self.seq += 1
-        self.last_decision[instance] = (action, reason)
-        return Decision(service, instance, Control(seq=self.seq, action=action, target_service=service,  # type: ignore[arg-type]
-                                                   target_instance=instance, params=params, reason=reason,
-                                                   inputs=inputs, issued_at=now))
+    def _control(self, instance: str, decision: Decision, reason: str, inputs: dict[str, Any], now: float) -> Control:
+        return Control(seq=self.clock.next(now), decision=decision, target_service="generator",
+                       target_instance=instance, reason=reason, inputs=inputs, issued_at=now, issuer=self.cfg.instance)
 
     def routed_mix(self) -> dict[str, float]:
         """Expected share of starts per pool under the current routing (as the generators report it)."""
@@ -126,9 +123,9 @@ class Planner:
                 mix[p] = mix.get(p, 0.0) + w * rates.get(inst, 1.0)
         return mix
 
-    def step(self, now: float) -> list[Decision]:
+    def step(self, now: float) -> list[Control]:
         st = self.state
-        out: list[Decision] = []
+        out: list[Control] = []
         self.signals = st.balance.signals(st.live_instances())
         k = self.signals.usable_upper_for(self.routed_mix())
         plan = plan_balanced(st.views(), st.trainer, batch_groups=self.batch_groups, max_staleness=self.max_staleness,
@@ -144,9 +141,9 @@ class Planner:
             out += self._concurrencies(now)
         return out
 
-    def _admissions(self, plan: AdmissionPlan, k: float, now: float) -> list[Decision]:
+    def _admissions(self, plan: AdmissionPlan, k: float, now: float) -> list[Control]:
         st = self.state
-        out: list[Decision] = []
+        out: list[Control] = []
         # Freshness floor: weights older than V - s could only yield samples beyond the bound.  Within
         # it, a generator on older weights w only gets the window as it stood at w (plan_balanced's
         # hold for weights), so it keeps sampling while the new version travels instead of stalling
@@ -155,21 +152,21 @@ class Planner:
         for (instance, boot), grant in plan.grants.items():
             g = st.generators[(instance, boot)]
             prev = self._admits.get((instance, boot))
-            if not g.alive or g.draining or (prev and prev.value == (grant, min_version)
-                                              and now - prev.at < self.cfg.refresh):
-                continue
+            if not g.alive or g.draining or not boot or (prev and prev.value == (grant, min_version)
+                                                          and now - prev.at < self.cfg.refresh):
+                continue  # not boot: a heartbeat that names no boot gives nothing to address a grant to
             out.append(self._control(
-                "generator", instance, "admit", {"boot": boot, "grant_total": grant, "min_version": min_version},
-                plan.reason, {"trainer_version": st.trainer.version, "allowed_total": plan.allowed_total,
-                              "trained_bound": plan.trained_bound, "oversample": plan.oversample, "usable_upper": k,
-                              "started_total": plan.started_total, "dropped": st.trainer.dropped_groups,
-                              "pending": st.trainer.pending_groups}, now))
+                instance, Admit(boot=boot, grant_total=grant, min_version=min_version), plan.reason,
+                {"trainer_version": st.trainer.version, "allowed_total": plan.allowed_total,
+                 "trained_bound": plan.trained_bound, "oversample": plan.oversample, "usable_upper": k,
+                 "started_total": plan.started_total, "dropped": st.trainer.dropped_groups,
+                 "pending": st.trainer.pending_groups}, now))
             self._admits[(instance, boot)] = _Sent((grant, min_version), now)
         return out
 
-    def _silence(self, plan: AdmissionPlan, now: float) -> list[Decision]:
+    def _silence(self, plan: AdmissionPlan, now: float) -> list[Control]:
         st = self.state
-        out: list[Decision] = []
+        out: list[Control] = []
         for key in plan.lost:
             instance, _, boot = key.partition("/")
             g = st.generators.get((instance, boot))
@@ -185,7 +182,7 @@ class Planner:
             else:
                 why = f"silent for more than {self.cfg.silent_after}s"
             out.append(self._control(
-                "generator", instance, "drain", {"boot": boot},
+                instance, RunState(state="drain", boot=boot),
                 f"{why}: its unstarted grant and unpublished groups are re-planned to the live generators; "
                 f"the tasks it held come back to them after the task ack wait",
                 {"last_seen_age_s": round(now - g.last_seen, 3) if g.last_seen else None, "published": g.published,
@@ -195,14 +192,14 @@ class Planner:
             g = st.generators.get((instance, boot))
             if g is not None and g.alive:
                 del self._evicted[(instance, boot)]
-                out.append(self._control("generator", instance, "resume", {"boot": boot},
+                out.append(self._control(instance, RunState(state="resume", boot=boot),
                                          f"heard from again {now - at:.1f}s after it was found silent",
                                          {"state": st.info.get(instance, None) and st.info[instance].state}, now))
         return out
 
-    def _pausing(self, now: float) -> list[Decision]:
+    def _pausing(self, now: float) -> list[Control]:
         st = self.state
-        out: list[Decision] = []
+        out: list[Control] = []
         paused, why = pause_decision(st.trainer, seen=st.trainer_seen)
         for instance in st.live_instances():
             info = st.info.get(instance)
@@ -210,18 +207,18 @@ class Planner:
                 continue
             prev = self._paused_by_us.get(instance)
             if paused and info.state == "running" and (prev is None or now - prev.at >= self.cfg.refresh):
-                out.append(self._control("generator", instance, "pause", {}, why,
+                out.append(self._control(instance, RunState(state="pause"), why,
                                          {"trainer_version": st.trainer.version, "trainer_done": st.trainer.done}, now))
                 self._paused_by_us[instance] = _Sent(True, now)
             elif not paused and prev is not None and info.state == "paused":
-                out.append(self._control("generator", instance, "resume", {}, why,
+                out.append(self._control(instance, RunState(state="resume"), why,
                                          {"trainer_version": st.trainer.version, "trainer_done": st.trainer.done}, now))
                 del self._paused_by_us[instance]
         return out
 
-    def _routing(self, now: float) -> list[Decision]:
+    def _routing(self, now: float) -> list[Control]:
         st, sig = self.state, self.signals
-        out: list[Decision] = []
+        out: list[Control] = []
         mix = {p: x for p, x in self.target_mix.items() if x > 0}
         live = [g for g in st.views() if g.alive and not g.draining]
         if not live or not mix:
@@ -231,7 +228,7 @@ class Planner:
         plan = assign_routes(
             live, mix, since, backlog, rates=sig.effective_rates or None,
             kept_by_pool={p: s.usable_fraction for p, s in sig.pools.items()
-                          if s.source == "trainer" and math.isfinite(s.usable_fraction) and s.usable_fraction > 0},
+                          if math.isfinite(s.usable_fraction) and s.usable_fraction > 0},
             current={i: info.pools for i, info in st.info.items()})
         for instance, route in plan.routes.items():
             prev = self._routes.get(instance)
@@ -244,16 +241,16 @@ class Planner:
                 continue
             rate = sig.effective_rates.get(instance, math.nan)
             out.append(self._control(
-                "generator", instance, "assign_pools", {"pools": route.pools, "shares": shares},
+                instance, AssignPools(pools=route.pools, shares=shares),
                 f"{plan.reason}; {instance} stacked at {rate:.2f} groups/s", {
                     "target_mix": mix, "trained_since_target": since, "mix_measured_on": st.balance.mix_source,
                     "backlog": backlog, "rates": dict(sig.effective_rates), "need": plan.need}, now))
             self._routes[instance] = _Sent((route.pools, shares), now)
         return out
 
-    def _concurrencies(self, now: float) -> list[Decision]:
+    def _concurrencies(self, now: float) -> list[Control]:
         st = self.state
-        out: list[Decision] = []
+        out: list[Control] = []
         latency = {i: self.signals.generator_speeds[i].latency_s if i in self.signals.generator_speeds else math.nan
                    for i in st.live_instances()}
         for instance in latency:
@@ -265,14 +262,14 @@ class Planner:
             unseen = info.concurrency != cap and (prev is None or now - prev.at >= self.cfg.refresh)
             if (prev is not None and prev.value == cap and not unseen) or (prev is None and cap == info.concurrency):
                 continue
-            out.append(self._control("generator", instance, "concurrency", {"max_groups": cap}, why,
+            out.append(self._control(instance, Concurrency(max_groups=cap), why,
                                      {"latency_s": {i: round(x, 4) for i, x in latency.items() if math.isfinite(x)},
                                       "max_batch_groups": info.max_batch_groups}, now))
             self._concurrency[instance] = _Sent(cap, now)
         return out
 
-    def evaluate(self, version: int, tasks: int, why: str, now: float) -> Decision:
-        return self._control("generator", "all", "evaluate", {"version": version, "tasks": tasks}, why,
+    def evaluate(self, version: int, tasks: int, why: str, now: float) -> Control:
+        return self._control("all", Evaluate(version=version, tasks=tasks), why,
                              {"trainer_version": self.state.trainer.version, "eval_every": self.cfg.eval_every}, now)
 
     # --- what the controller's heartbeat carries ------------------------------------------------

@@ -1,15 +1,20 @@
 """controller service — keeps trainer consumption matched to effective generator production.
 
 consumes:  rl.<run>.metrics.>                       (Heartbeat) every service's liveness and counters
-           rl.<run>.control.controller.<instance|all>.set_mix  (Control) a new target mix between pools
+           rl.<run>.control.>                       (Control) every decision of the run, any issuer: the last
+             of each subject at start, then each new one; its ``seq`` orders this controller's next
+             decisions after it (``DecisionClock``)
+           rl.<run>.control.controller.<instance|all>.set_mix  (Control ``SetMix``) a new target mix between pools
            consumer state of TASKS (per-pool backlog, held, redelivered) and SCORED (trainer pending)
-produces:  rl.<run>.control.generator.<instance>.<action>  (Control) admit | assign_pools | concurrency |
-             pause | resume | drain, each with its inputs and reason (the audit trail)
-           rl.<run>.control.generator.all.evaluate   (Control) the record of each scheduled evaluation
+produces:  rl.<run>.control.generator.<instance>.<action>  (Control) ``Admit`` | ``AssignPools`` | ``Concurrency``
+             | ``RunState`` (pause, resume, drain), each with its inputs and reason (the audit trail)
+           rl.<run>.control.generator.all.evaluate   (Control ``Evaluate``) the record of each scheduled evaluation
            rl.<run>.tasks.<eval_pool>                (Task eval=True) held-out set at versions 0, k, 2k…
            rl.<run>.metrics.controller.<instance>    (Heartbeat) its measurements: C, P, E, kept and usable
              fractions overall and per pool, queue depths, the admission window, the target mix
-waits for: trainer and generator heartbeats
+           rl.<run>.dead.control                     a request to this controller that does not decode, is not
+             a ``SetMix`` on its own subject, or names a mix it cannot use (with the reason)
+waits for: trainer and generator heartbeats; the stored decisions of the run before its first decision
 The decisions are made in ``planner.py`` from ``state.py``'s measurements with the pure law in
 ``law.py`` and ``balance.py`` (the simulator in ``bench/controller_sim.py`` runs the same law); this
 module is only I/O around them.
@@ -17,15 +22,16 @@ module is only I/O around them.
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from bus.protocol import Bus, BusError
-from bus.subjects import Subjects
+from bus.protocol import Bus, BusError, Delivery
+from bus.subjects import SubjectError, Subjects
 from observability.logging import get_logger
-from schemas import Control, Heartbeat, SchemaError, Task
-from services.controller.law import eval_due
+from schemas import Admit, Control, Heartbeat, SchemaError, SetMix, Task
+from services.controller.law import TrainerView, eval_due
 from services.controller.planner import MixError, Planner
 from services.controller.settings import ControllerSettings
 from services.controller.state import queue_state
@@ -37,81 +43,216 @@ from services.runtime.taskfile import read_task_file
 log = get_logger()
 
 QUEUE_POLL_S = 1.0  # consumer state is a server round trip per stream: read it about once a second
+# The stored decisions of the run arrive back to back when the CONTROL watch starts; the first
+# decision waits until that burst has been quiet this long (at most HISTORY_LIMIT_S), so its seq
+# sorts after them even when an operator's clock runs ahead of this one.
+HISTORY_QUIET_S = 0.5
+HISTORY_LIMIT_S = 5.0
+
+
+class ControlRefused(Exception):
+    """A Control on a controller subject that it does not belong on (not a ``SetMix``, or its target
+    and action name another subject)."""
+
+
+def check_subject(ctl: Control, subject: str, subjects: Subjects) -> None:
+    """Raise ``ControlRefused`` unless ``ctl`` is a request to a controller published on its own
+    subject (``subjects.control_action(service, instance, control.action)``)."""
+    if not isinstance(ctl.decision, SetMix):
+        raise ControlRefused(f"a {ctl.action!r} decision is not for the controller (it came on {subject!r}); "
+                             "the controller takes 'set_mix' requests only")
+    try:
+        expected = subjects.control_action(ctl.target_service, ctl.target_instance, ctl.action)
+    except SubjectError as exc:
+        raise ControlRefused(f"the decision's target does not name a subject: {exc}") from None
+    if subject != expected:
+        raise ControlRefused(f"a decision for {ctl.target_service}/{ctl.target_instance} ({ctl.action}) came on "
+                             f"{subject!r}; publish it on {expected!r}")
+
+
+class EvalSchedule:
+    """Held-out rounds: the task file, read once, scheduled at versions 0, k, 2k… and at the final one."""
+
+    def __init__(self, tasks: list[Task], every: int) -> None:
+        self.tasks = tasks
+        self.every = every
+        self.last_version = -1  # the version of the last round scheduled
+
+    @classmethod
+    def from_settings(cls, run_cfg: RunSettings, cfg: ControllerSettings) -> EvalSchedule:
+        tasks: list[Task] = []
+        if cfg.eval_tasks and cfg.eval_every > 0:
+            tasks, errors = read_task_file(cfg.eval_tasks, run=run_cfg.run, pool=run_cfg.eval_pool, group_size=1,
+                                           eval=True)
+            if errors:
+                log.warning("eval_tasks_invalid_lines", errors=[str(e) for e in errors[:5]], count=len(errors))
+        return cls(tasks, cfg.eval_every)
+
+    def due(self, trainer: TrainerView) -> tuple[int, str] | None:
+        """(version, why) of the round to schedule now, or None."""
+        if not self.tasks:
+            return None
+        if trainer.done and trainer.version > self.last_version:
+            return trainer.version, "final version"
+        if eval_due(trainer.version, self.last_version, self.every):
+            return trainer.version, f"every {self.every} versions"
+        return None
+
+    def round(self, version: int) -> list[Task]:
+        """The held-out tasks of the round at ``version`` (ids and metadata carry the version)."""
+        self.last_version = version
+        return [replace(t, task_id=f"eval.v{version}.{t.task_id}", metadata={**t.metadata, "eval_version": version})
+                for t in self.tasks]
+
+
+class ControlWatch:
+    """The run's CONTROL stream as this controller reads it: every decision's seq goes to the
+    planner's clock (so its own next decisions sort after it); a request addressed to this controller
+    is applied, or dead-lettered with the reason."""
+
+    def __init__(self, bus: Bus, subjects: Subjects, planner: Planner, instance: str) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.planner = planner
+        # Requests for this controller arrive on these prefixes; everything else is only observed.
+        self.requests_on = (subjects.control("controller", instance) + ".", subjects.control("controller", "all") + ".")
+        self.seen_at = time.monotonic()  # when the watch last delivered (or started)
+
+    async def watch(self) -> None:
+        self.seen_at = time.monotonic()
+        async for d in self.bus.watch(self.subjects.all_of("control"), deliver="last_per_subject"):
+            self.seen_at = time.monotonic()
+            await self.on_delivery(d)
+
+    async def history_read(self, life: Lifecycle) -> None:
+        """Return once the stored decisions have arrived: the watch has been quiet ``HISTORY_QUIET_S``
+        (or ``HISTORY_LIMIT_S`` passed)."""
+        deadline = time.monotonic() + HISTORY_LIMIT_S
+        while time.monotonic() - self.seen_at < HISTORY_QUIET_S and time.monotonic() < deadline:
+            if await life.sleep(HISTORY_QUIET_S / 5):
+                return
+
+    async def on_delivery(self, d: Delivery[bytes]) -> None:
+        mine = d.subject.startswith(self.requests_on)
+        try:
+            ctl = Control.decode(d.msg)
+        except SchemaError as exc:
+            if mine:  # the other subjects' receivers dead-letter their own
+                await self._refuse(d, "bad_control", f"SchemaError: {exc}")
+            return
+        self.planner.observe(ctl)
+        if not mine:
+            return
+        try:
+            check_subject(ctl, d.subject, self.subjects)
+        except ControlRefused as exc:
+            await self._refuse(d, "misplaced_control", str(exc))
+            return
+        try:
+            note = self.planner.set_mix(ctl)
+        except MixError as exc:
+            await self._refuse(d, "bad_control", f"MixError: {exc}")
+            return
+        if note:
+            log.info("target_mix_changed", note=note, seq=ctl.seq, issuer=ctl.issuer)
+
+    async def _refuse(self, d: Delivery[bytes], reason: str, error: str) -> None:
+        log.error("control_request_refused", subject=d.subject, reason=reason, error=error)
+        await self.bus.dead_letter(d.subject, d.msg, reason=reason, error=error)
+
+
+class Controller:
+    """The controller's moving parts: the planner (what it knows and decides), its heartbeat, the
+    held-out schedule, and the watch of the run's decisions that keeps its ``seq`` after theirs."""
+
+    def __init__(self, run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: Lifecycle,
+                 evals: EvalSchedule) -> None:
+        self.run_cfg = run_cfg
+        self.cfg = cfg
+        self.bus = bus
+        self.life = life
+        self.subjects = Subjects(run_cfg.run)
+        self.train_pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
+        self.planner = Planner(cfg, self.train_pools, run_cfg.batch_groups, run_cfg.max_staleness)
+        self.evals = evals
+        self.beat = Beat(bus, self.subjects, "controller", cfg.instance)
+        self.beat.extra = self.planner.metrics
+        self.control = ControlWatch(bus, self.subjects, self.planner, cfg.instance)
+        self.invalid_decision = ""  # the last decision the planner could not build (logged once)
+
+    def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
+        """Every loop the service runs, for ``run_until_stopped``."""
+        return (lambda: self.beat.loop(self.life), self.watch_metrics, self.control.watch, self.watch_queues,
+                self.decide)
+
+    # --- inputs ------------------------------------------------------------------------------
+    async def watch_metrics(self) -> None:
+        async for d in self.bus.watch(self.subjects.all_of("metrics"), deliver="new"):
+            try:
+                hb = Heartbeat.decode(d.msg)
+                # Decisions are addressed by the instance a heartbeat names: it must be the one its
+                # subject names (a name that is no subject token could not be addressed at all).
+                if d.subject != self.subjects.metrics(hb.service, hb.instance):
+                    raise SubjectError(f"a heartbeat of {hb.service}/{hb.instance} came on {d.subject!r}; "
+                                       "publish it on subjects.metrics(service, instance)")
+            except SchemaError as exc:
+                await self.bus.dead_letter(d.subject, d.msg, reason="schema_error", error=f"SchemaError: {exc}")
+                continue
+            except SubjectError as exc:
+                await self.bus.dead_letter(d.subject, d.msg, reason="misplaced_heartbeat", error=str(exc))
+                continue
+            self.planner.state.observe(hb)
+
+    async def watch_queues(self) -> None:
+        while True:
+            try:
+                self.planner.state.queues = queue_state(await self.bus.streams(), self.subjects, self.train_pools,
+                                                        time.time())
+            except BusError as exc:  # a restarting server: the last reading stays, marked by its time
+                log.warning("queue_state_unavailable", error=str(exc))
+            if await self.life.sleep(QUEUE_POLL_S):
+                return
+
+    # --- the decision loop ---------------------------------------------------------------------
+    async def decide(self) -> None:
+        await self.control.history_read(self.life)
+        while not await self.life.sleep(self.cfg.period):
+            for ctl in self.step():
+                await self.publish(ctl)
+                if not isinstance(ctl.decision, Admit):  # admissions are many; their record is CONTROL
+                    log.info("decision", action=ctl.action, instance=ctl.target_instance,
+                             decision=dataclasses.asdict(ctl.decision), reason=ctl.reason)
+            trainer = self.planner.state.trainer
+            self.beat.version = trainer.version
+            due = self.evals.due(trainer)
+            if due is not None:
+                await self.publish_eval(*due)
+
+    def step(self) -> list[Control]:
+        try:
+            return self.planner.step(time.time())
+        except SchemaError as exc:
+            # A decision that fails its own validation was taken on inputs no healthy service reports
+            # (e.g. negative counters in a heartbeat): skip this period and keep deciding; log it once.
+            if str(exc) != self.invalid_decision:
+                self.invalid_decision = str(exc)
+                log.error("decision_invalid", error=str(exc), fix="find the heartbeat that reports these inputs")
+            return []
+
+    async def publish(self, ctl: Control) -> None:
+        await self.bus.publish(self.subjects.control_action(ctl.target_service, ctl.target_instance, ctl.action),
+                               ctl.encode(), msg_id=ctl.msg_id)
+
+    async def publish_eval(self, version: int, why: str) -> None:
+        tasks = self.evals.round(version)
+        pool = self.subjects.tasks(self.run_cfg.eval_pool)
+        await self.bus.publish_many([(pool, t.encode(), t.msg_id) for t in tasks])
+        await self.publish(self.planner.evaluate(version, len(tasks), why, time.time()))
+        log.info("eval_scheduled", version=version, tasks=len(tasks))
 
 
 async def run(run_cfg: RunSettings, cfg: ControllerSettings, *, bus: Bus, life: Lifecycle) -> None:
-    subjects = Subjects(run_cfg.run)
-    train_pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
-    planner = Planner(cfg, train_pools, run_cfg.batch_groups, run_cfg.max_staleness)
-    beat = Beat(bus, subjects, "controller", cfg.instance)
-    beat.extra = planner.metrics
-    eval_tasks: list[Task] = []
-    if cfg.eval_tasks and cfg.eval_every > 0:
-        eval_tasks, errors = read_task_file(cfg.eval_tasks, run=run_cfg.run, pool=run_cfg.eval_pool, group_size=1,
-                                            eval=True)
-        if errors:
-            log.warning("eval_tasks_invalid_lines", errors=[str(e) for e in errors[:5]], count=len(errors))
-    last_eval = -1
-
-    async def watch_metrics() -> None:
-        async for d in bus.watch(subjects.all_of("metrics"), deliver="new"):
-            try:
-                planner.state.observe(Heartbeat.decode(d.msg))
-            except SchemaError as exc:
-                await bus.dead_letter(d.subject, d.msg, reason="schema_error", error=f"SchemaError: {exc}")
-
-    async def watch_requests() -> None:
-        async def one(subject: str) -> None:
-            async for d in bus.watch(subject, deliver="last_per_subject"):
-                try:
-                    note = planner.set_mix(Control.decode(d.msg))
-                except (SchemaError, MixError) as exc:
-                    log.error("control_request_refused", subject=d.subject, error=str(exc))
-                    await bus.dead_letter(d.subject, d.msg, reason="bad_control", error=f"{type(exc).__name__}: {exc}")
-                    continue
-                if note:
-                    log.info("target_mix_changed", note=note)
-
-        async with asyncio.TaskGroup() as tg:
-            tg.create_task(one(subjects.control_actions("controller", cfg.instance)))
-            tg.create_task(one(subjects.control_actions("controller", "all")))
-
-    async def watch_queues() -> None:
-        while True:
-            try:
-                planner.state.queues = queue_state(await bus.streams(), subjects, train_pools, time.time())
-            except BusError as exc:  # a restarting server: the last reading stays, marked by its time
-                log.warning("queue_state_unavailable", error=str(exc))
-            if await life.sleep(QUEUE_POLL_S):
-                return
-
-    async def publish_eval(version: int, why: str) -> None:
-        items = []
-        for t in eval_tasks:
-            task = replace(t, task_id=f"eval.v{version}.{t.task_id}", metadata={**t.metadata, "eval_version": version})
-            items.append((subjects.tasks(run_cfg.eval_pool), task.encode(), task.msg_id))
-        await bus.publish_many(items)
-        d = planner.evaluate(version, len(items), why, time.time())
-        await bus.publish(subjects.control_action(d.service, d.instance, d.control.action), d.control.encode(),
-                          msg_id=f"ctl.{d.control.seq}")
-        log.info("eval_scheduled", version=version, tasks=len(items))
-
-    async def decide() -> None:
-        nonlocal last_eval
-        while not await life.sleep(cfg.period):
-            for d in planner.step(time.time()):
-                await bus.publish(subjects.control_action(d.service, d.instance, d.control.action),
-                                  d.control.encode(), msg_id=f"ctl.{d.control.seq}")
-                if d.control.action != "admit":
-                    log.info("decision", action=d.control.action, instance=d.instance, params=d.control.params,
-                             reason=d.control.reason)
-            trainer = planner.state.trainer
-            beat.version = trainer.version
-            final = trainer.done and trainer.version > last_eval
-            if eval_tasks and (final or eval_due(trainer.version, last_eval, cfg.eval_every)):
-                last_eval = trainer.version
-                await publish_eval(last_eval, "final version" if final else f"every {cfg.eval_every} versions")
-
-    beat.state = "running"
-    log.info("controller_ready", target_mix=planner.target_mix, pools=train_pools)
-    await run_until_stopped(life, lambda: beat.loop(life), watch_metrics, watch_requests, watch_queues, decide)
+    controller = Controller(run_cfg, cfg, bus=bus, life=life, evals=EvalSchedule.from_settings(run_cfg, cfg))
+    controller.beat.state = "running"
+    log.info("controller_ready", target_mix=controller.planner.target_mix, pools=controller.train_pools)
+    await run_until_stopped(life, *controller.workers())

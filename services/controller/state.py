@@ -1,16 +1,14 @@
 """What the controller knows: heartbeats and consumer state turned into the law's inputs.  No I/O.
 
-Heartbeat metric names read here (path-like, cumulative unless noted):
+Every heartbeat metric read here is named in ``schemas/metric_keys.py`` (the emitters spell them
+from there too):
 
-- generator: ``generator/groups_started``, ``generator/groups_published``, ``generator/grant_total`` (this boot),
-  ``generator/groups_per_s`` (recent), ``generator/concurrency`` (groups per batch now),
-  ``generator/pool/<pool>/published``; ``info``: ``boot``, ``pools`` (routed order),
-  ``max_batch_groups``; ``state``: running | paused | draining | drained | stopped.
-- trainer: ``trainer/version``, ``trainer/groups_trained_total``, ``trainer/groups_dropped_total``,
-  ``trainer/pending_groups`` (now), ``trainer/groups_<reason>`` (this process); when present also
-  ``trainer/pool/<pool>/groups_<reason>``, ``trainer/generator/<instance>/groups_<reason>`` and
-  ``trainer/idle_s``.  Without the per-pool counts the outcomes go in as one total
-  (``balance.AGGREGATE``) and the mix is judged on what the generators published per pool.
+- generator (``GeneratorKeys``): groups started and published, the grant of this boot, the recent
+  rate, the concurrency now, published per pool; ``info``: boot, routed pools and shares, max batch;
+  ``state``: running | paused | draining | drained | stopped.
+- trainer (``TrainerKeys``): version, trained and dropped totals, pending groups, the idle seconds of
+  this process, and the outcome of every group it judged (``OUTCOMES`` plus ``STALE_HELD``) per pool
+  and per generator, counted by this process from zero.
 """
 
 from __future__ import annotations
@@ -23,30 +21,35 @@ from dataclasses import dataclass, field
 
 from bus.protocol import StreamState
 from bus.subjects import Subjects
+from observability.logging import get_logger
 from schemas import Heartbeat
-from services.controller.balance import AGGREGATE, REASONS, STALE_HELD, BalanceState
+from schemas.metric_keys import OUTCOMES, GeneratorKeys, TrainerKeys
+from services.controller.balance import BalanceState
 from services.controller.law import GeneratorView, TrainerView
+
+log = get_logger()
 
 DRAINING = ("draining", "drained")
 NO_ADMISSION = 1 << 40  # what a generator with admission off reports as its grant
 
 
 def trainer_outcomes(metrics: Mapping[str, float]) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
-    """(by pool, by generator) group outcomes from a trainer heartbeat (see the module docstring)."""
+    """(by pool, by generator) group outcomes from a trainer heartbeat's breakdown keys.
+
+    There is no totals-only fallback any more: the trainer reports every group it judges under its
+    pool and its generator, so whenever a total (``trainer/groups_<outcome>``) is non-zero the
+    breakdown exists too.  Before the first judged group both are absent or zero, and an empty
+    breakdown says exactly that (no kept fraction measured yet).  Feeding the totals under a
+    pseudo-pool would only add a second, coarser source of the same numbers.  A trainer build from
+    before the breakdown is named in the log (``trainer_outcomes_without_breakdown``).
+    """
     by_pool: dict[str, dict[str, int]] = {}
     by_gen: dict[str, dict[str, int]] = {}
     for key, v in metrics.items():
-        parts = key.split("/")
-        if len(parts) == 4 and parts[0] == "trainer" and parts[3].startswith("groups_"):
-            into = by_pool if parts[1] == "pool" else by_gen if parts[1] == "generator" else None
-            if into is not None:
-                into.setdefault(parts[2], {})[parts[3][7:]] = int(v)
-    if not by_pool:
-        totals = {r: int(metrics.get(f"trainer/groups_{r}", 0)) for r in REASONS}
-        # Without a breakdown a stale group cannot be told from one that went stale while held:
-        # counted as held (not against the usable fraction), so over-sampling never feeds on it.
-        totals[STALE_HELD] = int(metrics.get("trainer/groups_stale_held", totals["stale"]))
-        by_pool[AGGREGATE] = totals
+        parsed = TrainerKeys.parse_breakdown(key)
+        if parsed is not None:
+            kind, name, outcome = parsed
+            (by_pool if kind == "pool" else by_gen).setdefault(name, {})[outcome] = int(v)
     return by_pool, by_gen
 
 
@@ -112,6 +115,7 @@ class ControllerState:
         self.queues = QueueState()
         self._published_by_boot: dict[tuple[str, str], dict[str, int]] = {}
         self._trainer_seq = -1
+        self._warned_no_breakdown = False
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.time() if now is None else now
@@ -123,34 +127,36 @@ class ControllerState:
 
     def _observe_generator(self, hb: Heartbeat, now: float) -> None:
         m = hb.metrics
-        boot = str(hb.info.get("boot", ""))
+        boot = str(hb.info.get(GeneratorKeys.INFO_BOOT, ""))
         if (hb.instance, boot) not in self.generators:
             # Instance names are unique per replica: a new boot means the earlier ones are gone.
             for (inst, b), old in self.generators.items():
                 if inst == hb.instance and b != boot:
                     old.last_seen = 0.0
         g = self.generators.setdefault((hb.instance, boot), GeneratorView(hb.instance, boot))
-        g.started = int(m.get("generator/groups_started", g.started))
-        g.published = int(m.get("generator/groups_published", g.published))
-        g.rate = float(m.get("generator/groups_per_s", g.rate))
-        reported = int(m.get("generator/grant_total", 0))
+        g.started = int(m.get(GeneratorKeys.GROUPS_STARTED, g.started))
+        g.published = int(m.get(GeneratorKeys.GROUPS_PUBLISHED, g.published))
+        g.rate = float(m.get(GeneratorKeys.GROUPS_PER_S, g.rate))
+        reported = int(m.get(GeneratorKeys.GRANT_TOTAL, 0))
         g.reported_grant = reported if reported < NO_ADMISSION else 0  # admission off: the plan's own record
         if hb.version >= 0:
             g.weights_version = hb.version
         g.draining = hb.state in DRAINING
         g.last_seen = 0.0 if hb.state == "stopped" else now
-        pools = [str(p) for p in hb.info.get("pools", [])]
+        pools = [str(p) for p in hb.info.get(GeneratorKeys.INFO_POOLS, [])]
+        concurrency = int(m.get(GeneratorKeys.CONCURRENCY, 0))
         self.info[hb.instance] = GeneratorInfo(
-            boot=boot, state=hb.state, pools=pools, shares=dict(hb.info.get("shares", {})),
-            concurrency=int(m.get("generator/concurrency", 0)),
-            max_batch_groups=int(hb.info.get("max_batch_groups", m.get("generator/concurrency", 0))),
+            boot=boot, state=hb.state, pools=pools, shares=dict(hb.info.get(GeneratorKeys.INFO_SHARES, {})),
+            concurrency=concurrency, max_batch_groups=int(hb.info.get(GeneratorKeys.INFO_MAX_BATCH_GROUPS, concurrency)),
             version=hb.version, rate=g.rate, ts=hb.ts)
-        by_pool = {k.split("/")[2]: int(v) for k, v in m.items() if k.startswith("generator/pool/")
-                   and k.endswith("/published")}
+        by_pool = {}
+        for key, v in m.items():
+            pool = GeneratorKeys.parse_pool_published(key)
+            if pool is not None:
+                by_pool[pool] = int(v)
         self._published_by_boot[(hb.instance, boot)] = by_pool
         self.balance.observe_generator(hb.instance, hb.ts, started=g.started, published=g.published, boot=boot,
-                                       slots=int(m.get("generator/concurrency", 0)), pool=pools[0] if pools else "",
-                                       published_by_pool=by_pool)
+                                       slots=concurrency, pool=pools[0] if pools else "")
         totals: Counter[str] = Counter()
         for counts in self._published_by_boot.values():
             totals.update(counts)
@@ -163,16 +169,22 @@ class ControllerState:
             # A new trainer process: its per-process outcome counters start again from zero.
             self.balance.restart_trainer()
         self._trainer_seq = hb.seq
-        t.version = int(m.get("trainer/version", t.version))
-        t.dropped_groups = int(m.get("trainer/groups_dropped_total", t.dropped_groups))
-        t.trained_groups = int(m.get("trainer/groups_trained_total", t.trained_groups))
+        t.version = int(m.get(TrainerKeys.VERSION, t.version))
+        t.dropped_groups = int(m.get(TrainerKeys.GROUPS_DROPPED_TOTAL, t.dropped_groups))
+        t.trained_groups = int(m.get(TrainerKeys.GROUPS_TRAINED_TOTAL, t.trained_groups))
         t.last_seen = now
         t.done = hb.state == "done"
-        t.pending_groups = int(m.get("trainer/pending_groups", 0))
+        t.pending_groups = int(m.get(TrainerKeys.PENDING_GROUPS, 0))
         self.trainer_seen = True
-        self.trainer_idle_fraction = float(m.get("trainer/idle_fraction", math.nan))
+        self.trainer_idle_fraction = float(m.get(TrainerKeys.IDLE_FRACTION, math.nan))
         by_pool, by_gen = trainer_outcomes(m)
-        idle = m.get("trainer/idle_s")
+        if not by_pool and not self._warned_no_breakdown and any(m.get(TrainerKeys.groups(o), 0) for o in OUTCOMES):
+            # A trainer build from before the breakdown: the controller then measures no kept fraction
+            # (no over-sampling) and judges the mix on what the generators published.
+            self._warned_no_breakdown = True
+            log.warning("trainer_outcomes_without_breakdown", instance=hb.instance,
+                        fix="run a trainer that reports trainer/pool/<pool>/groups_<outcome> (this build's)")
+        idle = m.get(TrainerKeys.IDLE_S)
         self.balance.observe_trainer(hb.ts, trained_total=t.trained_groups, by_pool=by_pool, by_generator=by_gen,
                                      idle_s=float(idle) if idle is not None else None)
 

@@ -22,7 +22,7 @@ from bus.jetstream import JetStreamBus
 from schemas import Control, Heartbeat, SchemaError, ScoredGroup, Task
 from services.commands.control import send_mix
 from services.tasks.addition import make_split
-from tests.e2e.harness import Pipeline, checkpoint_state, wait_heartbeat
+from tests.e2e.harness import Pipeline, checkpoint_state, record_stat, wait_heartbeat
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -108,7 +108,8 @@ class Recorder:
         rows = [m["generator/groups_started"] for t, i, m in self.gens if i == instance and a <= t <= b]
         return rows[-1] - rows[0] if len(rows) > 1 else 0.0
 
-    def of(self, instance: str, action: str, after: float = 0.0) -> list[Control]:
+    def of(self, instance: str, action: str, after: float = 0.0) -> list[Any]:
+        """Decisions of one action to ``instance`` (``Any``: each action's own decision type)."""
         return [c for c in self.decisions if c.target_instance == instance and c.action == action
                 and c.issued_at >= after]
 
@@ -161,15 +162,19 @@ async def test_a_generator_slowed_then_sped_up(tiny_model, tmp_path):
         assert rec.steps and max(s["staleness_max"] for s in rec.steps.values()) <= MAX_STALENESS
         # Adapted to the slowdown: a lower concurrency and (at most) one batch of unstarted work for it.
         lowered = [c for c in rec.of("gen-1", "concurrency", t_slow) if c.issued_at < t_fast]
-        assert lowered and min(c.params["max_groups"] for c in lowered) < 8, [c.params for c in lowered]
+        assert lowered and min(c.decision.max_groups for c in lowered) < 8, [c.decision for c in lowered]
         assert "latency" in lowered[0].reason and lowered[0].inputs["latency_s"]
         slow_share = started[("gen-1", "slow")] / max(started[("gen-0", "slow")] + started[("gen-1", "slow")], 1)
         fast_share = started[("gen-1", "fast")] / max(started[("gen-0", "fast")] + started[("gen-1", "fast")], 1)
+        record_stat("controller_slowdown", "slow_share", slow_share, threshold="< 0.2")
+        record_stat("controller_slowdown", "fast_share", fast_share, threshold="> 0.2")
         assert slow_share < 0.2 < fast_share, (slow_share, fast_share)
         # Adapted to the recovery: its concurrency is back to the full batch.
         restored = rec.of("gen-1", "concurrency", t_fast)
-        assert restored and restored[-1].params["max_groups"] == 8, [c.params for c in restored]
+        assert restored and restored[-1].decision.max_groups == 8, [c.decision for c in restored]
         # The trainer idles less once the recovered generator is used again.
+        record_stat("controller_slowdown", "idle_drop", slow_idle - fast_idle, threshold="> 0")
+        record_stat("controller_slowdown", "step_gain", fast_steps - slow_steps, threshold="> 0")
         assert fast_idle < slow_idle and fast_steps > slow_steps, (slow_idle, fast_idle, slow_steps, fast_steps)
 
 
@@ -186,14 +191,20 @@ async def test_a_new_target_mix_reroutes_generators_and_the_trained_mix_follows(
         watcher = asyncio.create_task(rec.run(bus))
         await publish_tasks(bus, "mix", {"a": 1500, "b": 1500})
         await wait_for(lambda: rec.last_step() >= 8, 300, "8 trainer steps")
+        # The mix before the change is judged in steady state, over the same length of window as
+        # after it: the first steps are a start-up transient (before the first routing every
+        # generator takes the first pool; then the deficit is made up over catch_up_groups), and
+        # judging them once failed CI-style runs under load (0.20 of a over the first 64 groups).
+        follow_s, window_s = 10.0, 20.0
+        settled = checkpoint_state(tmp_path)["consumed"]
+        await asyncio.sleep(window_s)
         before = checkpoint_state(tmp_path)["consumed"]
-        a_before, n_before = trained_share({}, before, "a")
+        a_before, n_before = trained_share(settled, before, "a")
 
         t_mix = time.time()
         await send_mix(bus, {"a": 0.2, "b": 0.8}, reason="e2e: new target mix")
         # The trained mix moves within a few steps of the change (the groups already admitted); a
         # 20 s window holds 150-300 trained groups here, where 40 are asked for.
-        follow_s, window_s = 10.0, 20.0
         await asyncio.sleep(follow_s)
         start_window = checkpoint_state(tmp_path)["consumed"]
         await asyncio.sleep(window_s)
@@ -215,14 +226,18 @@ async def test_a_new_target_mix_reroutes_generators_and_the_trained_mix_follows(
         assert set(current) == {"gen-0", "gen-1"}
         # Generators are stacked by what they produce: weigh each one's shares by its measured rate.
         rates = moved[-1].inputs["rates"]
-        a_routed = sum(c.params["shares"].get("a", 0.0) * rates.get(i, 0.0) for i, c in current.items()) / max(
+        a_routed = sum(c.decision.shares.get("a", 0.0) * rates.get(i, 0.0) for i, c in current.items()) / max(
             sum(rates.get(i, 0.0) for i in current), 1e-9)
         # The plan stacks them over its *need*: the target scaled by how many groups of each pool the
         # trainer keeps (a pool whose groups are dropped more often needs more starts), so the routed
         # share follows the need, and the need sits near the new target.
         need_a = moved[-1].inputs["need"]["a"]
+        record_stat("controller_mix", "need_a", need_a, threshold="in [0.1, 0.35]")
+        record_stat("controller_mix", "routed_minus_need", a_routed - need_a, threshold="|x| <= 0.06")
+        record_stat("controller_mix", "trained_a_after", a_after, threshold="|x - 0.2| <= 0.1")
+        record_stat("controller_mix", "trained_a_before", a_before, threshold="|x - 0.5| <= 0.25")
         assert 0.1 <= need_a <= 0.35, moved[-1].reason
-        assert abs(a_routed - need_a) <= 0.06, ([c.params for c in current.values()], rates, need_a)
+        assert abs(a_routed - need_a) <= 0.06, ([c.decision for c in current.values()], rates, need_a)
         # The trained mix follows within follow_s seconds (and was near the old target before).
         assert n_after >= 40 and abs(a_after - 0.2) <= 0.1, (a_after, n_after)
         assert abs(a_before - 0.5) <= 0.25, (a_before, n_before)
@@ -258,7 +273,7 @@ async def test_a_generator_killed_with_minus_9_is_detected_and_its_tasks_are_fin
         # Detected: a drain decision naming it silent, within a few heartbeat periods.
         await wait_for(lambda: bool(rec.of("gen-1", "drain", t_kill)), 30, "the controller to find gen-1 silent")
         drain = rec.of("gen-1", "drain", t_kill)[0]
-        assert "silent" in drain.reason and drain.params["boot"] and drain.issued_at - t_kill < 15
+        assert "silent" in drain.reason and drain.decision.boot and drain.issued_at - t_kill < 15
         # Its tasks come back (redelivered to gen-0) and every task ends up scored: gen-0 finished them.
         redelivered_before = max((m.get("generator/tasks_redelivered", 0) for t, i, m in rec.gens
                                   if i == "gen-0" and t <= t_kill), default=0)
@@ -275,10 +290,10 @@ async def test_a_generator_killed_with_minus_9_is_detected_and_its_tasks_are_fin
         by = Counter(scored.values())
         assert by["gen-0"] > 0 and set(by) <= {"gen-0", "gen-1"}, by
         # Nothing more is admitted to the dead boot once it was found silent.
-        assert not [c for c in rec.of("gen-1", "admit", drain.issued_at) if c.params["boot"] == drain.params["boot"]]
+        assert not [c for c in rec.of("gen-1", "admit", drain.issued_at) if c.decision.boot == drain.decision.boot]
         # Re-planned: gen-0's grant grows past what it held when gen-1 died.
-        before = [c.params["grant_total"] for c in rec.of("gen-0", "admit") if c.issued_at <= t_kill]
-        later = [c.params["grant_total"] for c in rec.of("gen-0", "admit", drain.issued_at)]
+        before = [c.decision.grant_total for c in rec.of("gen-0", "admit") if c.issued_at <= t_kill]
+        later = [c.decision.grant_total for c in rec.of("gen-0", "admit", drain.issued_at)]
         assert later and max(later) > max(before, default=0), (before[-3:], later[-3:])
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

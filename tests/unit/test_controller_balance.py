@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.controller_sim import Scenario, compare
-from services.controller.balance import STALE_HELD, BalanceState, wilson_upper
+from schemas.metric_keys import STALE_HELD
+from services.controller.balance import BalanceState, wilson_upper
 from services.controller.law import (
     GeneratorView,
     Speed,
@@ -344,25 +345,16 @@ def test_simulator_adaptive_beats_static_and_never_trains_beyond_the_bound():
     assert again["policies"]["adaptive"] == ad
 
 
-def test_a_trainer_reporting_totals_only_gets_per_pool_estimates_from_the_generators():
-    from services.controller.balance import AGGREGATE
-
+def test_the_mix_is_judged_on_what_generators_published_until_the_trainer_reports_per_pool_counts():
     state = BalanceState(tau_s=10.0)
     for t in range(0, 21):
-        # gen-0 publishes 3 groups/s of pool a, gen-1 1 group/s of pool b; the trainer trains half.
-        state.observe_generator("gen-0", float(t), started=3 * t + 3, published=3 * t, boot="x",
-                                published_by_pool={"a": 3 * t})
-        state.observe_generator("gen-1", float(t), started=t + 1, published=t, boot="y", published_by_pool={"b": t})
-        n = 4 * t
-        state.observe_trainer(float(t), trained_total=n // 2,
-                              by_pool={AGGREGATE: {"train": n // 2, "filtered": n - n // 2}})
+        # Nothing judged yet (the first batch is still arriving): no outcome breakdown, no pool signals.
+        state.observe_generator("gen-0", float(t), started=3 * t + 3, published=3 * t, boot="x")
+        state.observe_generator("gen-1", float(t), started=t + 1, published=t, boot="y")
+        state.observe_trainer(float(t), trained_total=0, by_pool={})
         state.observe_published_by_pool({"a": 3 * t, "b": t})
     sig = state.signals()
-    assert set(sig.pools) == {"a", "b"}
-    assert all(p.source == "generators" for p in sig.pools.values())
-    assert sig.pools["a"].production == pytest.approx(3.0, rel=0.05)
-    assert sig.pools["b"].effective == pytest.approx(0.5, rel=0.1)  # 1/s x half trained
-    assert sig.effective == pytest.approx(2.0, rel=0.1) and sig.consumption == pytest.approx(2.0, rel=0.1)
+    assert sig.pools == {} and math.isnan(sig.kept_fraction) and sig.production == pytest.approx(4.0, rel=0.05)
     assert state.mix_source == "generators" and state.trained_by_pool == {"a": 60, "b": 20}
     # Once the trainer reports per-pool counts they replace the stand-in.
     state.observe_trainer(21.0, trained_total=42, by_pool={"a": {"train": 30}, "b": {"train": 12}})
@@ -370,13 +362,11 @@ def test_a_trainer_reporting_totals_only_gets_per_pool_estimates_from_the_genera
 
 
 def test_a_restarted_trainer_process_does_not_count_negative_outcomes():
-    from services.controller.balance import AGGREGATE
-
     state = BalanceState(tau_s=10.0)
     for t in range(10):
-        state.observe_trainer(float(t), trained_total=10 * t, by_pool={AGGREGATE: {"train": 10 * t, "filtered": 10 * t}})
+        state.observe_trainer(float(t), trained_total=10 * t, by_pool={"a": {"train": 10 * t, "filtered": 10 * t}})
     state.restart_trainer()  # counters of the new process start from zero; trained_total resumes
     for t in range(10, 20):
         state.observe_trainer(float(t), trained_total=100 + 10 * (t - 10),
-                              by_pool={AGGREGATE: {"train": 10 * (t - 10), "filtered": 10 * (t - 10)}})
+                              by_pool={"a": {"train": 10 * (t - 10), "filtered": 10 * (t - 10)}})
     assert state.signals().kept_fraction == pytest.approx(0.5, abs=1e-6)

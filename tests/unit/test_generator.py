@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from schemas import Control, SamplingParams, Shard, Task, WeightManifest
+from schemas import Control, Evaluate, RunState, SamplingParams, Shard, Task, WeightManifest
 from services.broadcast.service import Broadcaster
 from services.broadcast.settings import BroadcastSettings
 from services.generator.backend import cut_at_stop
-from services.generator.service import Generator
+from services.generator.core import Generator
 from services.generator.settings import GeneratorSettings
 from services.generator.torch_backend import TorchBackend
 from services.policy.sampler import SampleOut
@@ -51,6 +51,7 @@ def _ids(groups: list[list[object]]) -> list[list[int]]:
     return [s.completion_ids for g in groups for s in g]  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # the warm-started tiny model: a 90-second build on a fresh checkout
 def test_pinned_copy_samples_an_old_version_while_the_live_weights_move_on(backend, prompts) -> None:  # type: ignore[no-untyped-def]
     v0 = _ids(backend.sample(prompts, 1, GREEDY, [], seed=0))
     backend.stage(1, _perturbed(backend, 0.5))
@@ -70,6 +71,7 @@ def test_pinned_copy_samples_an_old_version_while_the_live_weights_move_on(backe
         backend.sample_at(1, None, prompts, 1, GREEDY, [], seed=0)
 
 
+@pytest.mark.slow  # the warm-started tiny model: a 90-second build on a fresh checkout
 def test_generator_samples_each_round_at_its_version_and_counts_the_rest(tiny_model: Path, prompts) -> None:  # type: ignore[no-untyped-def]
     backend = TorchBackend(str(tiny_model), pin_eval=True)
     v2 = _perturbed(backend, 0.3)
@@ -96,6 +98,7 @@ def test_generator_samples_each_round_at_its_version_and_counts_the_rest(tiny_mo
     assert [set(r.version_spans[:, 1].tolist()) for g in groups for r in g.rollouts] == [{4}, {2}]
 
 
+@pytest.mark.slow  # the warm-started tiny model: a 90-second build on a fresh checkout
 def test_a_backend_built_without_a_pinned_copy_runs_rounds_live(tiny_model: Path, prompts) -> None:  # type: ignore[no-untyped-def]
     backend = TorchBackend(str(tiny_model))
     assert backend.pinned_version is None
@@ -114,11 +117,11 @@ def test_broadcast_keeps_the_versions_of_recent_held_out_rounds() -> None:
         b.mark_published(_manifest(v))
     assert b.deletable() == list(range(8))
     for seq, v in enumerate((2, 5, 6)):
-        b.note_evaluation(Control(seq=seq, action="evaluate", target_service="generator", target_instance="all",
-                                  params={"version": v, "tasks": 10}, reason="every 5", issued_at=time.time()))
+        b.note_evaluation(Control(seq=seq, decision=Evaluate(version=v, tasks=10), target_service="generator",
+                                  target_instance="all", reason="every 5", issued_at=time.time()))
     # Only the last two rounds hold their versions; other decisions are ignored.
-    b.note_evaluation(Control(seq=9, action="pause", target_service="generator", target_instance="all",
-                              params={}, reason="", issued_at=time.time()))
+    b.note_evaluation(Control(seq=9, decision=RunState(state="pause"), target_service="generator",
+                              target_instance="all", reason="", issued_at=time.time()))
     assert b.deletable() == [0, 1, 2, 3, 4, 7]
 
 

@@ -20,21 +20,28 @@ from hypothesis import strategies as st
 import schemas
 from schemas import (
     ALL_MESSAGES,
+    Admit,
+    AssignPools,
+    Concurrency,
     Control,
     DeadLetter,
+    DecisionClock,
     EnvReply,
     EnvReplyBatch,
     EnvReset,
     EnvResetBatch,
     EnvStep,
+    Evaluate,
     Heartbeat,
     Message,
     Rollout,
     RolloutGroup,
+    RunState,
     SamplingParams,
     SchemaError,
     ScoredGroup,
     ScoredRollout,
+    SetMix,
     Shard,
     Task,
     TensorMeta,
@@ -102,9 +109,17 @@ SAMPLES: dict[type[Message], object] = {
         model="policy", version=3, transport="objstore", shards=[shard()],
         tensors=[TensorMeta(name="lm_head.weight", dtype="float32", shape=[64, 128])],
         trainer_step=3, created_at=1.7e9, state="uploaded"),
-    Control: lambda: Control(seq=7, action="admit", target_service="generator", target_instance="gen-0",
-                             params={"granted": 40, "boot": "b1"}, reason="allowed=(V=2+s=1+1)*B=8+dropped=3=35",
-                             inputs={"version": 2, "dropped": 3, "rates": [1.5, 2.0]}, issued_at=1.7e9),
+    Admit: lambda: Admit(boot="b1", grant_total=40, min_version=2),
+    AssignPools: lambda: AssignPools(pools=["code", "math"], shares={"code": 0.75, "math": 0.25}),
+    Concurrency: lambda: Concurrency(max_groups=3),
+    Evaluate: lambda: Evaluate(version=10, tasks=200),
+    RunState: lambda: RunState(state="drain", boot="b1"),
+    SetMix: lambda: SetMix(mix={"code": 0.4, "math": 0.6}),
+    Control: lambda: Control(seq=1_700_000_000_000_007, decision=Admit(boot="b1", grant_total=40, min_version=2),
+                             target_service="generator", target_instance="gen-0",
+                             reason="allowed=(V=2+s=1+1)*B=8+dropped=3=35",
+                             inputs={"version": 2, "dropped": 3, "rates": [1.5, 2.0]}, issued_at=1.7e9,
+                             issuer="controller-0"),
     Heartbeat: lambda: Heartbeat(service="trainer", instance="trainer-0", seq=12, ts=1.7e9, state="running",
                                  version=2, metrics={"trainer/loss": 0.125, "trainer/mismatch/k3_kl": 1e-4},
                                  info={"boot": "b1", "pools": ["train"]}),
@@ -280,10 +295,66 @@ def test_nested_error_names_the_full_path():
 
 
 def test_literal_value_outside_the_allowed_set():
-    w = wire(SAMPLES[Control]())
-    w["action"] = "explode"
+    w = wire(Control(seq=1, decision=RunState(state="pause"), target_service="generator"))
+    w["decision"]["state"] = "explode"
     err = decode_error(Control, w)
-    assert err.field == "action" and "admit" in err.expected
+    assert err.field == "decision.state" and "pause" in err.expected
+
+
+# ---------------------------------------------------------------------------------------
+# control decisions: typed, validated on decode, ordered by one clock
+
+
+def test_a_control_carries_one_typed_decision_and_its_action_follows_from_it():
+    back = Control.decode(SAMPLES[Control]().encode())
+    assert isinstance(back.decision, Admit) and back.decision.grant_total == 40 and back.action == "admit"
+    assert back.msg_id == "ctl.generator.gen-0.admit.1700000000000007"
+    actions = {Control(seq=1, decision=d, target_service="generator").action
+               for d in (RunState(state="pause"), RunState(state="resume"), RunState(state="drain"),
+                         SAMPLES[AssignPools](), SAMPLES[Concurrency](), SAMPLES[Evaluate](), SAMPLES[SetMix]())}
+    assert actions == {"pause", "resume", "drain", "assign_pools", "concurrency", "evaluate", "set_mix"}
+
+
+def test_an_unknown_decision_kind_is_refused_and_named():
+    w = wire(SAMPLES[Control]())
+    w["decision"]["$k"] = "stop"
+    err = decode_error(Control, w)
+    assert err.field == "decision.$k" and "admit" in err.expected and "'stop'" in err.got
+
+
+@pytest.mark.parametrize(("decision", "field", "value"), [
+    (Admit, "grant_total", -1), (Admit, "boot", ""), (Concurrency, "max_groups", 0), (Evaluate, "tasks", -5),
+    (AssignPools, "pools", []), (AssignPools, "shares", {"nope": 1.0}), (SetMix, "mix", {"a": 0.0}),
+    (SetMix, "mix", {"a": math.nan}),
+])
+def test_a_decision_that_breaks_its_own_rules_is_refused_on_decode(decision, field, value):
+    w = wire(Control(seq=1, decision=SAMPLES[decision](), target_service="generator"))
+    w["decision"][field] = value
+    err = decode_error(Control, w)
+    assert err.field == field and err.schema == decision.KIND
+
+
+def test_a_version_1_control_with_untyped_params_is_refused():
+    w = wire(SAMPLES[Control]())
+    del w["decision"]
+    w.update({"$v": 1, "action": "admit", "params": {"boot": "b1", "grant_total": 40}})
+    err = decode_error(Control, w)
+    assert (err.field, err.got) == ("decision", "nothing")
+
+
+def test_a_run_state_built_in_python_is_checked_too():
+    with pytest.raises(SchemaError, match="pause, resume, drain"):
+        RunState(state="stop")  # type: ignore[arg-type]
+
+
+def test_the_decision_clock_follows_wall_time_and_stays_above_every_seq_seen():
+    clock = DecisionClock()
+    assert clock.next(100.0) == 100_000_000
+    assert clock.next(100.0) == 100_000_001  # same microsecond: still increasing
+    clock.observe(500_000_000)  # another issuer whose clock runs ahead
+    assert clock.next(101.0) == 500_000_001
+    clock.observe(7)  # an older seq changes nothing
+    assert clock.next(600.0) == 600_000_000
 
 
 @pytest.mark.parametrize(

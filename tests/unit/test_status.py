@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 
 from bus.protocol import ConsumerState, StreamState
-from schemas import Control, Heartbeat
+from schemas import Admit, AssignPools, Control, Heartbeat, RunState, SetMix
 from services.commands.status import build_snapshot, render
 
 NOW = 1000.0
@@ -36,14 +36,14 @@ def fixtures() -> tuple[list[Heartbeat], list[StreamState], list[Control]]:
     streams = [StreamState(name="RL_r_TASKS", subjects=("rl.r.tasks.>",), messages=50, bytes=1,
                            consumers=(ConsumerState("generator_a", pending=30, ack_pending=8, redelivered=2, waiting=0),))]
     decisions = [
-        Control(seq=1, action="admit", target_service="generator", target_instance="gen-0", reason="allowed=...",
-                issued_at=NOW - 5),
-        Control(seq=4, action="assign_pools", target_service="generator", target_instance="gen-0",
-                params={"pools": ["a", "b"]}, reason="need a 0.50, b 0.50", issued_at=NOW - 2),
-        Control(seq=3, action="drain", target_service="generator", target_instance="gen-1", reason="operator",
-                issued_at=NOW - 3),
-        Control(seq=5, action="set_mix", target_service="controller", target_instance="all",
-                params={"mix": {"a": 0.5, "b": 0.5}}, issued_at=NOW - 60),
+        Control(seq=1, decision=Admit(boot="x", grant_total=40, min_version=2), target_service="generator",
+                target_instance="gen-0", reason="allowed=...", issued_at=NOW - 5, issuer="controller-0"),
+        Control(seq=4, decision=AssignPools(pools=["a", "b"], shares={"a": 0.75, "b": 0.25}), target_service="generator",
+                target_instance="gen-0", reason="need a 0.50, b 0.50", issued_at=NOW - 2, issuer="controller-0"),
+        Control(seq=3, decision=RunState(state="drain"), target_service="generator", target_instance="gen-1",
+                reason="operator", issued_at=NOW - 3, issuer="operator"),
+        Control(seq=5, decision=SetMix(mix={"a": 0.5, "b": 0.5}), target_service="controller", target_instance="all",
+                issued_at=NOW - 60, issuer="operator"),
     ]
     return hbs, streams, decisions
 
@@ -53,6 +53,9 @@ def test_snapshot_has_every_instance_with_rate_version_lag_in_flight_and_last_de
     g0, g1, tr = snap["instances"]["generator/gen-0"], snap["instances"]["generator/gen-1"], snap["instances"]["trainer/trainer-0"]
     assert (g0["rate"], g0["version"], g0["lag"], g0["in_flight"]) == (4.0, 11, 1, 8)
     assert g0["last_decision"]["action"] == "assign_pools" and g0["last_decision"]["age_s"] == 2.0
+    assert g0["last_decision"]["decision"] == {"pools": ["a", "b"], "shares": {"a": 0.75, "b": 0.25}}
+    assert g0["last_decision"]["issuer"] == "controller-0"
+    assert snap["instances"]["generator/gen-1"]["last_decision"]["decision"] == {"state": "drain", "boot": ""}
     assert g1["state"] == "draining" and g1["lag"] == 0 and g1["latency_s"] == 3.5
     assert tr["rate"] == 2.0 and tr["in_flight"] == 3 and tr["lag"] is None
     assert snap["queues"]["RL_r_TASKS"]["consumers"]["generator_a"] == {"pending": 30, "ack_pending": 8,
@@ -61,6 +64,7 @@ def test_snapshot_has_every_instance_with_rate_version_lag_in_flight_and_last_de
     assert snap["balance"]["e_over_c"] == 0.9 and snap["balance"]["trainer_idle_fraction_total"] == 0.25
     assert snap["admission"]["mix_measured_on"] == "generators"
     assert snap["decisions"]["controller/all"]["action"] == "set_mix"
+    assert snap["decisions"]["controller/all"]["decision"] == {"mix": {"a": 0.5, "b": 0.5}}
     json.dumps(snap)  # --json: plain data only
 
 
@@ -68,8 +72,9 @@ def test_render_shows_the_tables_a_user_reads():
     console = Console(record=True, width=200)
     console.print(*render(build_snapshot("r", *fixtures(), now=NOW)))
     text = console.export_text()
-    for expected in ("generator/gen-0", "assign_pools", "draining", "C 2/s vs E 1.8/s", "generator_a", "E/C",
-                     "allowed_total=40"):
+    for expected in ("generator/gen-0", "assign_pools pools=a,b shares=a:0.75,b:0.25 (controller-0", "draining",
+                     "drain (operator", "C 2/s vs E 1.8/s", "generator_a", "E/C", "allowed_total=40",
+                     "last decision to controller/all: set_mix mix=a:0.5,b:0.5 (operator"):
         assert expected in text, expected
 
 
