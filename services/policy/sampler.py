@@ -110,6 +110,77 @@ def _check_ids(prompts: Sequence[Sequence[int]], vocab_size: int | None) -> None
             )
 
 
+def _left_pad(model: PreTrainedModel, prompts: Sequence[Sequence[int]], params: SamplingParams,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Prompts left-padded into one batch: (ids, attention mask or None, prompt lengths).
+
+    Left padding keeps every row's last prompt token in the last column, so one decode step
+    appends one column for all rows.  A mask (and explicit positions) is needed only when
+    lengths differ; without one SDPA stays on its causal fast path."""
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    width = int(prompt_lens.max())
+    if max_positions is not None and width + params.max_new_tokens > max_positions:
+        raise SamplerInputError(
+            f"longest prompt ({width}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+            f"max_position_embeddings={max_positions}: lower max_new_tokens or shorten prompts"
+        )
+    _check_ids(prompts, getattr(model.config, "vocab_size", None))
+    prompt_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+    mask: torch.Tensor | None = None
+    if bool((prompt_lens != width).any()):
+        mask = (torch.arange(width) >= (width - prompt_lens)[:, None]).long().to(device)
+    return prompt_ids.to(device), mask, prompt_lens
+
+
+def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from the processed distribution, and that distribution's log-probs."""
+    lp = processed_logprobs(logits, params.temperature, params.top_p)
+    if params.temperature == 0.0:
+        return lp.argmax(dim=-1), lp
+    # A generator lives on one device; draw where it lives so seeds replay exactly.
+    draw = torch.multinomial(lp.exp().to(generator.device), 1, generator=generator)
+    return draw.squeeze(-1).to(device), lp
+
+
+class _Completions:
+    """The rows being decoded: tokens, their behaviour log-probs and versions, lengths, done.
+    Rows that stopped keep decoding (their later tokens are cut by ``length``)."""
+
+    def __init__(self, rows: int, max_new_tokens: int, device: torch.device) -> None:
+        self.tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long, device=device)
+        self.logps = torch.zeros((rows, max_new_tokens), dtype=torch.float32, device=device)
+        self.versions = np.zeros((rows, max_new_tokens), dtype=np.int64)
+        self.length = torch.zeros(rows, dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.new_column = torch.ones((rows, 1), dtype=torch.long, device=device)
+
+    def record(self, step: int, tok: torch.Tensor, lp: torch.Tensor, version: int, stop: torch.Tensor) -> None:
+        self.tokens[:, step] = tok
+        self.logps[:, step] = lp.gather(-1, tok[:, None]).squeeze(-1)
+        self.versions[:, step] = version
+        self.length += (~self.done).long()
+        self.done |= torch.isin(tok, stop)
+
+    def samples(self) -> list[SampleOut]:
+        tokens_l = self.tokens.tolist()
+        logps_np = self.logps.cpu().numpy()
+        length_l = self.length.tolist()
+        done_l = self.done.tolist()
+        return [
+            SampleOut(
+                completion_ids=tokens_l[r][: length_l[r]],
+                behaviour_logprobs=logps_np[r, : length_l[r]].copy(),
+                token_versions=self.versions[r, : length_l[r]].copy(),
+                finish_reason="stop" if done_l[r] else "length",
+            )
+            for r in range(len(length_l))
+        ]
+
+
 def _prefill(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor | None) -> tuple[DynamicCache, torch.Tensor]:
     """Fresh KV cache for `ids` and the logits of each row's last position."""
     positions = None if mask is None else (mask.cumsum(-1) - 1).clamp(min=0)
@@ -177,92 +248,41 @@ class GroupSampler:
     ) -> list[SampleOut]:
         model, version = self.slot.model, self.slot.version
         device = next(model.parameters()).device
-        max_positions = getattr(model.config, "max_position_embeddings", None)
-        prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        width = int(prompt_lens.max())
-        if max_positions is not None and width + params.max_new_tokens > max_positions:
-            raise SamplerInputError(
-                f"longest prompt ({width}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"max_position_embeddings={max_positions}: lower max_new_tokens or shorten prompts"
-            )
-
-        _check_ids(prompts, getattr(model.config, "vocab_size", None))
-        padded = bool((prompt_lens != width).any())
-        prompt_ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            prompt_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
-        prompt_ids = prompt_ids.to(device)
-        # Left padding keeps every row's last prompt token in the last column, so one decode
-        # step appends one column for all rows. A mask (and explicit positions) is needed only
-        # when lengths differ; without one SDPA stays on its causal fast path.
-        mask: torch.Tensor | None = None
-        if padded:
-            mask = (torch.arange(width) >= (width - prompt_lens)[:, None]).long().to(device)
-
+        prompt_ids, mask, prompt_lens = _left_pad(model, prompts, params, device)
+        width = prompt_ids.shape[1]
         cache, logits = _prefill(model, prompt_ids, mask)
         # One prefill per prompt, then n rows per prompt share copies of its KV cache.
         cache.batch_repeat_interleave(n)
         logits = logits.repeat_interleave(n, dim=0)
-        rows = len(prompts) * n
         if mask is not None:
             mask = mask.repeat_interleave(n, dim=0)
+        out = _Completions(len(prompts) * n, params.max_new_tokens, device)
         next_pos = prompt_lens.to(device).repeat_interleave(n)
-
         stop = torch.tensor(_stop_ids(model, params), dtype=torch.long, device=device)
-        tokens = torch.zeros((rows, params.max_new_tokens), dtype=torch.long, device=device)
-        logps = torch.zeros((rows, params.max_new_tokens), dtype=torch.float32, device=device)
-        versions = np.zeros((rows, params.max_new_tokens), dtype=np.int64)
-        length = torch.zeros(rows, dtype=torch.long, device=device)
-        done = torch.zeros(rows, dtype=torch.bool, device=device)
-        new_column = torch.ones((rows, 1), dtype=torch.long, device=device)
-
         for step in range(params.max_new_tokens):
-            lp = processed_logprobs(logits, params.temperature, params.top_p)
-            if params.temperature == 0.0:
-                tok = lp.argmax(dim=-1)
-            else:
-                # A generator lives on one device; draw where it lives so seeds replay exactly.
-                draw = torch.multinomial(lp.exp().to(generator.device), 1, generator=generator)
-                tok = draw.squeeze(-1).to(device)
-            tokens[:, step] = tok
-            logps[:, step] = lp.gather(-1, tok[:, None]).squeeze(-1)
-            versions[:, step] = version
-            length += (~done).long()
-            done |= torch.isin(tok, stop)
-            if step + 1 == params.max_new_tokens or bool(done.all()):
+            tok, lp = _draw(logits, params, generator, device)
+            out.record(step, tok, lp, version, stop)
+            if step + 1 == params.max_new_tokens or bool(out.done.all()):
                 break
             if mask is not None:
-                mask = torch.cat([mask, new_column], dim=1)  # now covers `tok`
+                mask = torch.cat([mask, out.new_column], dim=1)  # now covers `tok`
             if self._swap_worthwhile(width + step + 1, params.max_new_tokens - step - 1) and self.slot.maybe_swap():
                 model, version = self.slot.model, self.slot.version
                 # Old-weight KV would give log-probs of neither version: rebuild the cache
                 # under the new weights from every row's full prefix.
-                prefix = torch.cat([prompt_ids.repeat_interleave(n, dim=0), tokens[:, : step + 1]], dim=1)
+                prefix = torch.cat([prompt_ids.repeat_interleave(n, dim=0), out.tokens[:, : step + 1]], dim=1)
                 cache, logits = _prefill(model, prefix, mask)
             else:
-                out = model(
+                fwd = model(
                     input_ids=tok[:, None],
                     attention_mask=mask,
                     position_ids=None if mask is None else next_pos[:, None],
                     past_key_values=cache,
                     use_cache=True,
                 )
-                cache, logits = out.past_key_values, out.logits[:, -1]
+                cache, logits = fwd.past_key_values, fwd.logits[:, -1]
             next_pos = next_pos + 1
-
-        tokens_l = tokens.tolist()
-        logps_np = logps.cpu().numpy()
-        length_l = length.tolist()
-        done_l = done.tolist()
-        return [
-            SampleOut(
-                completion_ids=tokens_l[r][: length_l[r]],
-                behaviour_logprobs=logps_np[r, : length_l[r]].copy(),
-                token_versions=versions[r, : length_l[r]].copy(),
-                finish_reason="stop" if done_l[r] else "length",
-            )
-            for r in range(rows)
-        ]
+        return out.samples()
 
     def _recompute(
         self,

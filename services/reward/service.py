@@ -62,20 +62,31 @@ class Scorer:
                 "reward/mean": self.reward_sum / max(self.rollouts, 1)}
 
 
+class RewardService:
+    """Scores each rollout group it pulls and publishes the scored group; the delivery is acked
+    (by the bus's outcome rule) only after that publish, so a crash re-scores, never loses."""
+
+    def __init__(self, run_cfg: RunSettings, cfg: RewardSettings, bus: Bus) -> None:
+        self.bus = bus
+        self.cfg = cfg
+        self.subjects = Subjects(run_cfg.run)
+        self.scorer = Scorer(cfg)
+        self.spec = ConsumerSpec(stream="ROLLOUTS", durable=self.subjects.durable("reward"),
+                                 filter_subjects=(self.subjects.all_of("rollouts"),), ack_wait=30, max_deliver=5,
+                                 max_ack_pending=4 * cfg.batch)
+
+    async def handle(self, group: RolloutGroup, d: Delivery[RolloutGroup]) -> None:
+        scored = self.scorer.score(group)
+        await self.bus.publish(self.subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=scored.msg_id)
+
+    async def consume(self) -> None:
+        await self.bus.consume(self.spec, RolloutGroup.decode, self.handle, batch=self.cfg.batch,
+                               concurrency=self.cfg.concurrency)
+
+
 async def run(run_cfg: RunSettings, cfg: RewardSettings, *, bus: Bus, life: Lifecycle) -> None:
-    subjects = Subjects(run_cfg.run)
-    scorer = Scorer(cfg)
-    beat = Beat(bus, subjects, "reward", cfg.instance)
-    beat.extra = scorer.metrics
-
-    async def handle(group: RolloutGroup, d: Delivery[RolloutGroup]) -> None:
-        scored = scorer.score(group)
-        await bus.publish(subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=scored.msg_id)
-
-    spec = ConsumerSpec(stream="ROLLOUTS", durable=subjects.durable("reward"),
-                        filter_subjects=(subjects.all_of("rollouts"),), ack_wait=30, max_deliver=5,
-                        max_ack_pending=4 * cfg.batch)
+    service = RewardService(run_cfg, cfg, bus)
+    beat = Beat(bus, service.subjects, "reward", cfg.instance)
+    beat.extra = service.scorer.metrics
     beat.state = "running"
-    await run_until_stopped(life, lambda: beat.loop(life),
-                            lambda: bus.consume(spec, RolloutGroup.decode, handle, batch=cfg.batch,
-                                                concurrency=cfg.concurrency))
+    await run_until_stopped(life, lambda: beat.loop(life), service.consume)

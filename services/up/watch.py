@@ -77,121 +77,161 @@ async def feed(bus: Any, subjects: Any, tasks: list[Task], stop: asyncio.Event, 
     return None
 
 
-async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
-                tasks: list[Any], *, view: bool) -> int:
-    from bus.jetstream import JetStreamBus
-    from bus.subjects import Subjects
+class LiveView:
+    """One line per trainer step: a rich progress bar on a terminal, plain lines otherwise."""
 
-    subjects = Subjects(run_cfg.run)
-    mon = Monitor(folder / "metrics.jsonl", eval_size=up_cfg.eval_tasks)
-    stop = asyncio.Event()
-    outcome: dict[str, Any] = {"code": 0, "why": ""}
+    def __init__(self, mon: Monitor, max_steps: int, *, live: bool) -> None:
+        self.mon = mon
+        self.progress: Any = None
+        self._live: Any = None
+        if live:
+            from rich.live import Live
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    def interrupted(sig: signal.Signals) -> None:
-        # Ctrl-C means stop now: no final evaluation round, exit 130 like any interrupted command.
-        if not stop.is_set():
-            outcome.update(code=130, why=f"interrupted ({sig.name})")
-        stop.set()
+            self.progress = Progress(TextColumn("[bold]training"), BarColumn(),
+                                     TextColumn("{task.completed}/{task.total} steps"), TimeElapsedColumn(),
+                                     TextColumn("{task.description}"))
+            self._bar = self.progress.add_task("", total=max_steps)
+            self._live = Live(self.progress, refresh_per_second=4)
+            self._live.start()
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, interrupted, sig)
-    bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-watch")
-    live_view = view and sys.stdout.isatty()
-    progress: Any = None
-    if live_view:
-        from rich.live import Live
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        progress = Progress(TextColumn("[bold]training"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
-                            TimeElapsedColumn(), TextColumn("{task.description}"))
-        bar = progress.add_task("", total=up_cfg.max_steps)
-        live = Live(progress, refresh_per_second=4)
-        live.start()
-
-    def show(row: dict[str, Any]) -> None:
-        text = _line(row, mon)
-        if mon.collapsed():
+    def step(self, row: dict[str, Any]) -> None:
+        text = _line(row, self.mon)
+        if self.mon.collapsed():
             text += "  !! COLLAPSED: reward 0 for 5 steps (lower [trainer].lr)"
-        if progress is not None:
-            progress.update(bar, completed=row["step"], description=text)
+        if self.progress is not None:
+            self.progress.update(self._bar, completed=row["step"], description=text)
         else:
             print(text, flush=True)
 
-    async def follow_metrics() -> None:
-        async for d in bus.watch(subjects.all_of("metrics"), deliver="new"):
+    def note(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+
+
+class UpWatch:
+    """Follows a running pipeline until a stop rule fires: steps, held-out rounds, dead children,
+    the task feed running dry, or a signal.  ``why`` and ``code`` say which."""
+
+    def __init__(self, bus: Any, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
+                 tasks: list[Any], *, view: bool) -> None:
+        from bus.subjects import Subjects
+
+        self.bus, self.run_cfg, self.up_cfg = bus, run_cfg, up_cfg
+        self.subjects = Subjects(run_cfg.run)
+        self.children = children
+        self.tasks = tasks
+        self.mon = Monitor(folder / "metrics.jsonl", eval_size=up_cfg.eval_tasks)
+        self.view = LiveView(self.mon, up_cfg.max_steps, live=view and sys.stdout.isatty())
+        self.stop = asyncio.Event()
+        self.code = 0
+        self.why = ""
+        self.final_eval = True  # one last held-out round of the final version before stopping
+
+    def finish(self, why: str, *, code: int | None = None, final_eval: bool | None = None) -> None:
+        """The first stop rule to fire names the reason."""
+        if not self.stop.is_set():
+            self.why = why
+            if code is not None:
+                self.code = code
+            if final_eval is not None:
+                self.final_eval = final_eval
+        self.stop.set()
+
+    def interrupted(self, sig: signal.Signals) -> None:
+        # Ctrl-C means stop now: no final evaluation round, exit 130 like any interrupted command.
+        self.finish(f"interrupted ({sig.name})", code=130, final_eval=False)
+
+    async def follow_metrics(self) -> None:
+        async for d in self.bus.watch(self.subjects.all_of("metrics"), deliver="new"):
             try:
-                row = mon.on_heartbeat(Heartbeat.decode(d.msg))
+                row = self.mon.on_heartbeat(Heartbeat.decode(d.msg))
             except SchemaError:
                 continue
             if row is None:
                 continue
-            show(row)
-            if row["step"] >= up_cfg.max_steps:
-                outcome["why"] = f"reached {up_cfg.max_steps} steps"
-                stop.set()
+            self.view.step(row)
+            if row["step"] >= self.up_cfg.max_steps:
+                self.finish(f"reached {self.up_cfg.max_steps} steps")
 
-    async def follow_eval() -> None:
-        async for d in bus.watch(subjects.scored(run_cfg.eval_pool), deliver="all"):
+    async def follow_eval(self) -> None:
+        async for d in self.bus.watch(self.subjects.scored(self.run_cfg.eval_pool), deliver="all"):
             try:
-                row = mon.on_eval(ScoredGroup.decode(d.msg))
+                row = self.mon.on_eval(ScoredGroup.decode(d.msg))
             except SchemaError:
                 continue
             if row is None:
                 continue
             where = "pinned" if row["pinned"] else f"live weights, versions {row['versions']}"
-            msg = (f"eval @ v{row['eval_round']} ({where}): held-out accuracy "
-                   f"{row['heldout/accuracy']:.3f} at {row['t']:.0f}s")
-            if progress is not None:
-                progress.console.print(msg)
-            else:
-                print(msg, flush=True)
-            sustained = mon.sustained_accuracy(up_cfg.stop_rounds)
-            if up_cfg.stop_at_accuracy and sustained is not None and sustained >= up_cfg.stop_at_accuracy:
-                outcome["why"] = (f"held-out accuracy {sustained:.3f} (mean of the last {up_cfg.stop_rounds} "
-                                  f"rounds) >= {up_cfg.stop_at_accuracy}")
-                stop.set()
+            self.view.note(f"eval @ v{row['eval_round']} ({where}): held-out accuracy "
+                           f"{row['heldout/accuracy']:.3f} at {row['t']:.0f}s")
+            rounds, target = self.up_cfg.stop_rounds, self.up_cfg.stop_at_accuracy
+            sustained = self.mon.sustained_accuracy(rounds)
+            if target and sustained is not None and sustained >= target:
+                # A held-out round just measured the policy: no final round needed.
+                self.finish(f"held-out accuracy {sustained:.3f} (mean of the last {rounds} rounds) >= {target}",
+                            final_eval=False)
 
-    async def follow_children() -> None:
-        while not stop.is_set():
-            dead = children.dead()
+    async def follow_children(self) -> None:
+        while not self.stop.is_set():
+            dead = self.children.dead()
             if dead:
                 c = dead[0]
-                outcome["code"] = 1
-                outcome["why"] = f"service {c.name} exited with {c.proc.returncode}; last log lines:\n{c.tail()}"
-                stop.set()
+                self.finish(f"service {c.name} exited with {c.proc.returncode}; last log lines:\n{c.tail()}",
+                            code=1, final_eval=False)
             await asyncio.sleep(0.5)
 
-    def idle_s() -> float:
-        return time.time() - mon.t0 - (mon.steps[-1]["t"] if mon.steps else 0.0)
+    def idle_s(self) -> float:
+        return time.time() - self.mon.t0 - (self.mon.steps[-1]["t"] if self.mon.steps else 0.0)
 
-    async def feeding() -> None:
-        why = await feed(bus, subjects, tasks, stop, epochs=up_cfg.epochs, seed=up_cfg.seed, idle_s=idle_s)
-        if why and not stop.is_set():
-            outcome.update(why=why, final_eval=False)  # the trainer is not done: no final round comes
-            stop.set()
+    async def feeding(self) -> None:
+        why = await feed(self.bus, self.subjects, self.tasks, self.stop, epochs=self.up_cfg.epochs,
+                         seed=self.up_cfg.seed, idle_s=self.idle_s)
+        if why:
+            self.finish(why, final_eval=False)  # the trainer is not done: no final round comes
 
-    workers = [asyncio.create_task(f()) for f in (follow_metrics, follow_eval, follow_children, feeding)]
+    async def run(self) -> int:
+        workers = [asyncio.create_task(f()) for f in (self.follow_metrics, self.follow_eval, self.follow_children,
+                                                      self.feeding)]
+        try:
+            await self.stop.wait()
+            if self.code == 0 and self.up_cfg.eval_tasks and self.final_eval:
+                # One last evaluation of the final version, so the run ends on a measured number.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(_await_eval(self.mon, self.mon.version), timeout=60)
+        finally:
+            for t in workers:
+                t.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            self.view.close()
+        print(f"rlbus up: stopping ({self.why or 'interrupted'})", flush=True)
+        if self.mon.evals:
+            last = self.mon.evals[-1]
+            print(f"rlbus up: final held-out accuracy {last['heldout/accuracy']:.3f} at "
+                  f"{'version' if last['pinned'] else 'versions'} {', '.join(map(str, last['versions']))}",
+                  flush=True)
+        return self.code
+
+
+async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
+                tasks: list[Any], *, view: bool) -> int:
+    from bus.jetstream import JetStreamBus
+
+    bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-watch")
     try:
-        await stop.wait()
-        if (outcome["code"] == 0 and up_cfg.eval_tasks and outcome.get("final_eval", True)
-                and not outcome["why"].startswith("held-out")):
-            # One last evaluation of the final version, so the run ends on a measured number.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(_await_eval(mon, mon.version), timeout=60)
+        w = UpWatch(bus, run_cfg, up_cfg, folder, children, tasks, view=view)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, w.interrupted, sig)
+        return await w.run()
     finally:
-        for t in workers:
-            t.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-        if progress is not None:
-            live.stop()
         await bus.close()
-    print(f"rlbus up: stopping ({outcome['why'] or 'interrupted'})", flush=True)
-    if mon.evals:
-        last = mon.evals[-1]
-        print(f"rlbus up: final held-out accuracy {last['heldout/accuracy']:.3f} at "
-              f"{'version' if last['pinned'] else 'versions'} {', '.join(map(str, last['versions']))}", flush=True)
-    return int(outcome["code"])
 
 
 async def _await_eval(mon: Monitor, version: int) -> None:
