@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import TracebackType
@@ -272,18 +273,13 @@ class EmbeddedServer:
 
     def run_foreground(self) -> int:
         """``rlbus nats``: run until SIGINT/SIGTERM, printing the URL; returns an exit code."""
-        stop = False
-
-        def _on_signal(signum: int, _frame: object) -> None:
-            nonlocal stop
-            stop = True
-
-        old = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        stop = threading.Event()
+        old = {s: signal.signal(s, lambda _signum, _frame: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start()
             print(f"nats-server ready at {self.url} (pid {self.pid}, store {self.store_dir}, "
                   f"log {self.log_path})", flush=True)
-            while not stop:
+            while not stop.is_set():
                 if not self.running:
                     print(f"nats-server exited; its log ends with:\n{self.log_tail()}", file=sys.stderr)
                     return 1

@@ -209,17 +209,16 @@ class RlbusWorkerExtension:
         """Load a safetensors file through vLLM's layerwise in-place reload; returns the tensor count."""
         from safetensors import safe_open
 
-        loaded = 0
+        with safe_open(path, framework="pt") as f:
+            names = list(f.keys())  # (safe_open is not a mapping)
 
         def tensors() -> Iterator[tuple[str, Any]]:
-            nonlocal loaded
             with safe_open(path, framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118  (safe_open is not a mapping)
-                    loaded += 1
+                for name in names:
                     yield name, f.get_tensor(name)
 
         self.reload_weights(weights_iterator=tensors(), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return loaded
+        return len(names)
 
 
 WORKER_EXTENSION = f"{__name__}.{RlbusWorkerExtension.__qualname__}"

@@ -145,3 +145,14 @@ def run_up(tmp_path: Path, config_toml: str, *, timeout: float) -> tuple[Path, l
                            "--no-view"], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, load_metrics(run_dir / "metrics.jsonl")
+
+
+def record_stat(test: str, name: str, value: float, *, threshold: str) -> None:
+    """Note a statistic an end-to-end test asserts, with its threshold, when ``RLBUS_TEST_STATS``
+    names a file: bench/test_spread.py reruns the tests and reports each statistic's spread, which
+    is what the margin written next to each threshold is measured from."""
+    path = os.environ.get("RLBUS_TEST_STATS")
+    if path:
+        with open(path, "a") as fh:
+            fh.write(json.dumps({"test": test, "stat": name, "value": float(value), "threshold": threshold,
+                                 "loaded": os.environ.get("RLBUS_TEST_LOAD", ""), "t": time.time()}) + "\n")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.runtime.config import RunSettings
-from tests.e2e.harness import run_up
+from tests.e2e.harness import record_stat, run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -38,9 +38,11 @@ eval_every = 20
     # with machine load: judge the mean of the last two rounds, not a single reading.
     first = evals[0]["heldout/accuracy"]
     last = sum(e["heldout/accuracy"] for e in evals[-2:]) / 2
+    record_stat("learning", "heldout_gain", last - first, threshold=">= 0.15")
     assert last >= first + 0.15, f"held-out accuracy {first:.3f} -> {last:.3f}: no clear learning"
     early = sum(r["batch/reward_mean"] for r in train[:10]) / 10
     late = sum(r["batch/reward_mean"] for r in train[-10:]) / 10
+    record_stat("learning", "reward_gain", late - early, threshold=">= 0.1")
     assert late >= early + 0.1, f"batch reward {early:.3f} -> {late:.3f}"
     # The trained policy is a Hugging Face folder transformers loads, and the report exists.
     from transformers import AutoModelForCausalLM

@@ -259,6 +259,12 @@ async def test_tasks_beyond_the_grant_are_not_taken(tmp_path: Path) -> None:
         assert len(h.groups()) == 4 and h.waiting("train") == 6
         await eventually(lambda: h.metric(GeneratorKeys.GROUPS_STARTED) == 4
                          and h.metric(GeneratorKeys.GRANT_TOTAL) == 4, what="the heartbeat to show 4 started of 4")
+        # Every name the controller reads from a generator heartbeat is emitted (metrics and info).
+        hb = h.heartbeat()
+        named = {getattr(GeneratorKeys, k) for k in vars(GeneratorKeys) if k.isupper()}
+        assert {k for k in named if not k.startswith("generator/")} <= set(hb.info), hb.info
+        assert {k for k in named if k.startswith("generator/")} <= set(hb.metrics), sorted(hb.metrics)
+        assert any(GeneratorKeys.parse_pool_published(k) == "train" for k in hb.metrics), sorted(hb.metrics)
         await h.admit(7)  # cumulative: three more
         await eventually(lambda: len(h.groups()) == 7, what="7 groups published")
         await settle()

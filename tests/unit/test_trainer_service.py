@@ -334,6 +334,8 @@ async def test_a_restarted_trainer_resumes_and_does_not_train_committed_groups_a
     await bus.publish_groups(*(trainable(f"t{i}") for i in range(6)))
     first = Trainer(bus, run_cfg, cfg)
     await first.at_step(3)
+    # The heartbeat names step 3 as soon as it is trained; its upload follows on its own task.
+    await until("version 3 uploaded", lambda: any(m.version == 3 for m in uploads(bus)))
     # weight-broadcast has published the first trainer's newest version, 3.
     newest = dataclasses.replace(uploads(bus)[-1], state="published")
     assert newest.version == 3
@@ -418,6 +420,9 @@ async def test_the_heartbeat_reports_group_outcomes_per_pool_and_per_generator(
     assert m[TrainerKeys.groups("stale")] == 2 and m[TrainerKeys.groups(STALE_HELD)] == 1
     assert m[TrainerKeys.groups("train")] == 2
     assert m[TrainerKeys.IDLE_S] > 0  # waited for t2's batch partner, which never came in time
+    # Every name the controller and `rlbus status` read from a trainer heartbeat is emitted.
+    named = {getattr(TrainerKeys, k) for k in vars(TrainerKeys) if k.isupper()}
+    assert named <= set(m), sorted(named - set(m))
 
 
 async def test_groups_of_the_running_step_count_as_consumed_and_no_ledger_is_written_during_it(
