@@ -14,7 +14,8 @@ Inside the package: ``JetStreamBus`` (``bus.jetstream``) is a thin front over on
 tasks); ``bus.consume`` (the consume loop), ``bus.puller`` and ``bus.watch`` work only through
 the connection's public methods.  Both buses share the decode step and the handler outcome rules
 (``bus.outcome``), dead-letter records (``bus.deadletter``) and header checks (``bus.headers``);
-``bus.heartbeat`` keeps held deliveries alive on the real server.  ``bus.baseline`` is the raw
+``bus.heartbeat`` keeps held deliveries alive on the real server; ``bus.retention`` holds the
+streams' limits and ``bus.advisories`` turns captured max-deliveries advisories into dead letters.  ``bus.baseline`` is the raw
 nats-py client the bus benchmark compares against.
 """
 
@@ -41,6 +42,7 @@ from bus.protocol import (
     Puller,
     RequestFailed,
     Retry,
+    StreamFull,
     StreamState,
 )
 from bus.subjects import SubjectError, Subjects
@@ -54,7 +56,7 @@ __all__ = [
     "Bus", "BusClosed", "BusConfigError", "BusError", "ConsumerSpec", "ConsumerState", "Delivery",
     "DigestMismatch", "EmbeddedServer", "JetStreamBus", "MemoryBus", "ObjectInfo", "ObjectNotFound",
     "ObjectStore", "PayloadTooLarge", "Poison", "PublishTimeout", "Puller", "RequestFailed", "Retry",
-    "ServerError", "StreamState", "SubjectError", "Subjects", "open_bus",
+    "ServerError", "StreamFull", "StreamState", "SubjectError", "Subjects", "open_bus",
 ]
 
 

@@ -7,24 +7,26 @@ object and never reach into the bus.  It owns:
 - the nats client (``nc``), its JetStream context (``js``) and API prefix, the run's ``Subjects``,
   the run's object store and the claim check on it, the publisher, the logger;
 - the open/closed state and the background tasks (``spawn``), cancelled or finished on close;
-- consumer declaration (``ensure_consumer``, once per durable), and with it the subscription to
-  the server's max-deliveries advisory for that durable;
+- consumer declaration (``ensure_consumer``, once per durable; changed tunables are updated in
+  place, ``bus.streams``), and with the first one the follower of the run's captured
+  max-deliveries advisories (``bus.advisories``);
 - the last handler error per stored message (``note_error``), so the max-deliveries dead letter
   says what went wrong, and the retry backoff of failed handlers.
 
-Max deliveries: a message that exhausts ``max_deliver`` stays in its stream and the server only
-emits ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>``.  The connection
-subscribes to it (in a queue group, so one replica acts), copies the message byte for byte to
-DEAD with reason ``max_deliveries`` and the last handler error it saw, and then deletes it from
-a work-queue stream — so it is neither lost nor stuck.  Limit: an advisory emitted while no bus
-consuming that durable is connected is not seen (advisories are not persisted); such a message
-stays in the work queue, visible in ``streams()`` as stored-but-not-pending.
+Max deliveries: a message that exhausts ``max_deliver`` stays in its stream and the server emits
+an advisory, which the run's ADVISORIES stream keeps until a connection acts on it — even one that
+connects later (``bus.advisories``).  ``dead_letter_stored`` copies the message byte for byte to
+DEAD with reason ``max_deliveries`` and the last handler error seen, then deletes it from a
+work-queue stream — so it is neither lost nor stuck.
+
+Server outages: the client reconnects forever (``max_reconnect_attempts=-1``); publishes wait
+for the reconnect under a long outage deadline (``bus.publish``); consume loops, pullers and
+watches resume on the new connection.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -34,20 +36,22 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
+from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
-from bus.protocol import BusClosed, BusError, ConsumerSpec
+from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
-from bus.routing import WORK_QUEUES
-from bus.streams import ensure_consumer, ensure_streams
+from bus.retention import Retention
+from bus.routing import WORK_QUEUES, stream_kind_of
+from bus.streams import ensure_consumer, ensure_streams, limit_key
 from bus.subjects import Subjects
 from observability.logging import get_logger
 
 KiB, MiB = 1024, 1024 * 1024
 CLAIM_HEADROOM = 512 * KiB
-MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
+DEFAULT_PUBLISH_OUTAGE_S = 900.0  # see bus.publish: how long a publish waits out a server outage
 LAST_ERRORS_KEPT = 10_000  # only needed until the advisory arrives
 
 _DELIVER = {
@@ -57,13 +61,49 @@ _DELIVER = {
 }
 
 
+class _Events:
+    """nats-py's callbacks for one connection: quiet about our own close, and one log line per
+    100 failed reconnect attempts (they come four a second while the server is away)."""
+
+    def __init__(self, log: Any, url: str) -> None:
+        self.log = log
+        self.url = url
+        self.conn: Connection | None = None
+        self.errors = 0  # since the last (re)connect
+
+    def _ours(self) -> bool:
+        return self.conn is not None and self.conn.closed
+
+    async def on_error(self, exc: Exception) -> None:
+        if self._ours():
+            return
+        self.errors += 1
+        if self.errors == 1 or self.errors % 100 == 0:
+            self.log.warning("nats_error", error=repr(exc), errors_since_connected=self.errors)
+
+    async def on_disconnect(self) -> None:
+        if not self._ours():
+            self.log.warning("nats_disconnected", url=self.url)
+
+    async def on_reconnect(self) -> None:
+        self.log.info("nats_reconnected", url=self.url, errors_while_away=self.errors)
+        self.errors = 0
+
+    async def on_closed(self) -> None:
+        # With unlimited reconnects only a fatal protocol error (e.g. an over-size payload)
+        # closes the client for good; every later call then raises BusClosed.
+        if self.conn is not None and not self.conn._closing:
+            self.log.error("nats_connection_closed", url=self.url, todo="the bus is closed for good; restart the service")
+
+
 class Connection:
     """What a ``JetStreamBus`` and its consume loops, pullers and watches share."""
 
     def __init__(self, nc: Any, run: str, *, name: str, claim_threshold: int | None = None,
-                 publish_deadline: float = 30.0, attempt_timeout: float = 5.0,
-                 error_backoff: tuple[float, float] = (1.0, 30.0), shutdown_grace: float = 10.0,
-                 serve_concurrency: int = 64) -> None:
+                 publish_deadline: float = 30.0, publish_outage: float = DEFAULT_PUBLISH_OUTAGE_S,
+                 attempt_timeout: float = 5.0, error_backoff: tuple[float, float] = (1.0, 30.0),
+                 shutdown_grace: float = 10.0, serve_concurrency: int = 64,
+                 retention: Retention | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=10.0)
         self.api_prefix = "$JS.API"
@@ -78,16 +118,21 @@ class Connection:
         self.serve_concurrency = serve_concurrency
         # Each pull is capped by bytes: a few of the largest messages, far below max_pending.
         self.pull_max_bytes = max(4 * self.max_payload, 32 * MiB)
-        self.objects = JetStreamObjectStore(nc, self.js, self.subjects.object_bucket)
+        # None: limits are not this connection's to set (a CLI tool); existing ones are kept.
+        self.retention = retention
+        self.objects = JetStreamObjectStore(
+            nc, self.js, self.subjects.object_bucket,
+            max_bytes=retention.objects_max_bytes if retention is not None else None,
+            full_error=self.full_error)
         self.claims = ClaimCheck(self.objects, spawn=self.spawn, log=self.log)
         self.publisher = Publisher(self.js, self.claims, name=name, max_payload=self.max_payload,
                                    claim_threshold=self.claim_threshold, deadline=publish_deadline,
-                                   attempt_timeout=attempt_timeout)
+                                   attempt_timeout=attempt_timeout, outage=publish_outage,
+                                   connected=lambda: bool(nc.is_connected), full_error=self.full_error)
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._subs: list[Any] = []
-        self._advisories: set[tuple[str, str]] = set()
-        self._consumers_ok: set[tuple[str, str]] = set()
+        self.max_deliveries = MaxDeliveries(self)
+        self._consumers_ok: set[ConsumerSpec] = set()
         self._last_errors: dict[tuple[str, int], str] = {}
 
     # --- open / state / close ------------------------------------------------------------
@@ -97,28 +142,18 @@ class Connection:
         """Connect (reconnecting forever after the first success) within ``connect_timeout``."""
         if not url:
             raise BusError("a NATS URL is required (e.g. nats://127.0.0.1:4222); start one with `rlbus nats`")
-        log = get_logger(component="bus", bus=name, run=run)
-        made: list[Connection] = []  # the callbacks stay quiet about our own close
-
-        async def on_error(exc: Exception) -> None:
-            if not (made and made[0].closed):
-                log.warning("nats_error", error=repr(exc))
-
-        async def on_disconnect() -> None:
-            if not (made and made[0].closed):
-                log.warning("nats_disconnected", url=url)
-
-        async def on_reconnect() -> None:
-            log.info("nats_reconnected", url=url)
-
+        events = _Events(get_logger(component="bus", bus=name, run=run), url)
         nc = nats.NATS()
+        # Pings every 5 s, 3 unanswered = lost: a server that vanished without closing the socket
+        # is noticed within ~20 s, inside a publish's deadline, so publishes wait it out as an outage.
         try:
             await asyncio.wait_for(nc.connect(
                 servers=[url], name=name, allow_reconnect=True, max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
-                connect_timeout=2, ping_interval=10, max_outstanding_pings=3,
-                pending_size=64 * MiB, drain_timeout=10, error_cb=on_error,
-                disconnected_cb=on_disconnect, reconnected_cb=on_reconnect,
+                connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
+                pending_size=64 * MiB, drain_timeout=10, error_cb=events.on_error,
+                disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
+                closed_cb=events.on_closed,
             ), timeout=connect_timeout)
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             try:
@@ -130,11 +165,19 @@ class Connection:
                 "is the server running (`rlbus nats`) and the URL right?"
             ) from None
         conn = cls(nc, run, name=name, **options)
-        made.append(conn)
+        events.conn = conn
         return conn
 
     async def ensure_streams(self) -> None:
-        await ensure_streams(self.js, self.subjects)
+        await ensure_streams(self.js, self.subjects, retention=self.retention, log=self.log)
+
+    def full_error(self, subject_or_stream: str, why: str) -> StreamFull:
+        """The ``StreamFull`` of a publish (or object put) refused at a discard-new limit."""
+        if subject_or_stream.startswith("rl."):
+            stream = self.subjects.stream(stream_kind_of(subject_or_stream))
+        else:
+            stream = subject_or_stream
+        return StreamFull(stream, why, key=limit_key(self.subjects, stream, why))
 
     @property
     def closed(self) -> bool:
@@ -208,16 +251,10 @@ class Connection:
         """Declare the durable (once per connection) and watch its max-deliveries advisory.
         Returns the stream name."""
         stream = self.subjects.stream(spec.stream)
-        key = (stream, spec.durable)
-        if key not in self._consumers_ok:
-            await ensure_consumer(self.js, self.subjects, spec)
-            self._consumers_ok.add(key)
-        if key not in self._advisories:
-            self._advisories.add(key)
-            self._subs.append(await self.nc.subscribe(
-                f"{MAX_DELIVERIES_ADVISORY}.{stream}.{spec.durable}", queue=f"rlbus_dead_{spec.durable}",
-                cb=self._on_max_deliveries,
-            ))
+        if spec not in self._consumers_ok:  # by spec: a changed spec is declared (updated) again
+            await ensure_consumer(self.js, self.subjects, spec, log=self.log)
+            self._consumers_ok.add(spec)
+        self.max_deliveries.start()
         return stream
 
     async def pull_inbox(self, stream: str, durable: str, *,
@@ -265,19 +302,9 @@ class Connection:
         self.log.warning("dead_letter", origin=origin_subject, reason=reason, error=error[:500], deliveries=deliveries)
         await self.publish(subject, letter.encode(), msg_id=msg_id)
 
-    async def _on_max_deliveries(self, msg: Msg) -> None:
-        try:
-            adv = json.loads(msg.data)
-            stream, seq, deliveries = adv["stream"], int(adv["stream_seq"]), int(adv.get("deliveries", 0))
-        except (ValueError, KeyError, TypeError) as exc:
-            self.log.error("advisory_unreadable", subject=msg.subject, error=repr(exc))
-            return
-        try:
-            await self._dead_letter_stored(stream, seq, deliveries)
-        except Exception as exc:  # noqa: BLE001 - logged with everything needed to act by hand
-            self.log.error("max_deliveries_dead_letter_failed", stream=stream, seq=seq, error=repr(exc))
-
-    async def _dead_letter_stored(self, stream: str, seq: int, deliveries: int) -> None:
+    async def dead_letter_stored(self, stream: str, seq: int, deliveries: int) -> None:
+        """Dead-letter stored message ``seq`` of ``stream`` (it exhausted max_deliver); raises if
+        the dead letter could not be written, leaving the message where it is."""
         try:
             raw = await self.js.get_msg(stream, seq)
         except NotFoundError:

@@ -9,12 +9,15 @@ its caller keeps the delivery.
 
 Settling: dead letters are written *before* the ``term`` so a crash in between redelivers (and
 the dead letter's msg id, ``dead.<stream>.<seq>``, dedupes the second copy) instead of losing
-it.  A claim of a work-queue message is released only once the server has really removed the
-message (``ack_sync``), so a lost ack never leaves a message pointing at deleted bytes.
+it; a dead letter that cannot be written (DEAD unreachable or full) leaves the message un-acked
+(naked with backoff) and logged, never raised into the consume loop or the puller's caller.  A
+claim of a work-queue message is released only once the server has really removed the message
+(``ack_sync``), so a lost ack never leaves a message pointing at deleted bytes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +28,7 @@ from bus.connection import Connection
 from bus.deadletter import dead_letter_id
 from bus.heartbeat import Heartbeat
 from bus.outcome import decoded
-from bus.protocol import BusError, ConsumerSpec, Delivery
+from bus.protocol import BusClosed, BusError, ConsumerSpec, Delivery
 from bus.pull import PullInbox
 from bus.routing import WORK_QUEUES
 
@@ -73,12 +76,37 @@ class JetStreamSettle:
         if self.settled:
             return
         self.settled = True
-        await self.conn.dead_letter(subject, self.data, error=error, reason=reason, deliveries=deliveries,
-                                    headers=headers, msg_id=dead_letter_id(self.stream, stream_seq),
-                                    stream_seq=stream_seq)
+        try:
+            await self.conn.dead_letter(subject, self.data, error=error, reason=reason, deliveries=deliveries,
+                                        headers=headers, msg_id=dead_letter_id(self.stream, stream_seq),
+                                        stream_seq=stream_seq)
+        except (BusClosed, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - DEAD unreachable or full: keep the message, see below
+            await self._dead_letter_failed(subject, exc, reason=reason, deliveries=deliveries, stream_seq=stream_seq)
+            return
         await self.raw.term()
         if self.claim and self.work_queue:
             self.conn.release_claim(self.claim)
+
+    async def _dead_letter_failed(self, subject: str, exc: Exception, *, reason: str, deliveries: int,
+                                  stream_seq: int) -> None:
+        # The message is not terminated without its dead letter: naked with backoff, it comes back
+        # and its dead letter is tried again (and past max_deliver, the max-deliveries path
+        # retries it from the stream), so a DEAD that is down or full loses nothing and stops
+        # nobody.  A nak that fails too (server away) leaves it to come back after ack_wait.
+        self.settled = False
+        delay = self.conn.backoff(deliveries)
+        self.conn.log.error(
+            "dead_letter_failed", subject=subject, stream=self.stream, seq=stream_seq, reason=reason,
+            error=f"{type(exc).__name__}: {exc}"[:1000], retry_in_s=delay,
+            todo="the message stays un-acked and is retried; check that the DEAD stream accepts writes "
+                 "(`rlbus status`; a full DEAD: raise [run.retention] dead_max_msgs/dead_max_mib or remove old "
+                 "dead letters)")
+        try:
+            await self.nak(None, delay)
+        except Exception as nak_exc:  # noqa: BLE001 - unsettled either way: back after ack_wait
+            self.conn.log.warning("nak_failed", subject=subject, seq=stream_seq, error=repr(nak_exc))
 
     async def in_progress(self, d: Delivery[Any] | None = None) -> None:
         if self.settled:

@@ -11,10 +11,13 @@ store, claim check, publisher, dead letters, background tasks) and the parts bui
 - dead letters, including the max-deliveries advisory path: ``bus.connection``;
 - ``watch``: ``bus.watch.Watch``; ``last``, ``request``/``serve`` and ``streams`` are here.
 
-Options of ``connect`` (all keyword): ``claim_threshold``, ``publish_deadline`` (s),
-``attempt_timeout`` (s), ``error_backoff`` ((base, cap) s of a failed handler's redelivery),
-``shutdown_grace`` (s a running handler gets when its consume is cancelled),
-``serve_concurrency``, plus ``ensure`` (declare the run's streams) and ``connect_timeout``.
+Options of ``connect`` (all keyword): ``claim_threshold``, ``publish_deadline`` (s a publish may
+take with the server reachable), ``publish_outage`` (s a publish waits out a disconnected server,
+``bus.publish``), ``attempt_timeout`` (s), ``error_backoff`` ((base, cap) s of a failed handler's
+redelivery), ``shutdown_grace`` (s a running handler gets when its consume is cancelled),
+``serve_concurrency``, ``retention`` (a ``bus.retention.Retention``: the streams' limits, applied
+in place; None keeps existing limits), plus ``ensure`` (declare the run's streams) and
+``connect_timeout``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ bus and a real JetStream server.  What it models:
 - streams: work queues (TASKS, ROLLOUTS: a message leaves when acked, terminated or dead-lettered)
   and limits streams (kept; each durable keeps its own position, ``deliver_policy`` included);
   durables with overlapping filters on a work-queue stream are refused (``BusConfigError``),
-  as are two specs for one durable;
+  as is a changed filter of an existing durable, while a changed ``ack_wait``/``max_deliver``/
+  ``max_ack_pending`` updates it in place (as ``bus.streams.ensure_consumer`` does);
 - consuming, with the real bus's decode step and outcome rules (``bus.outcome``): return ->
   ack; ``Retry`` -> redelivered after its delay with ``deliveries`` + 1; ``Poison`` -> dead
   letter with the reason and the original bytes; a decode error -> dead letter with the
@@ -32,8 +33,10 @@ bus and a real JetStream server.  What it models:
 
 What it does not model: ``ack_wait`` (an unsettled delivery stays in flight until it is
 settled: no timed redelivery, so heartbeats are accepted and ignored), ``max_ack_pending``,
-byte limits, ``max_payload`` and claim checks (any size is stored as is), server restarts and
-reconnects, retention limits (max age, last N per subject), the duplicate window's expiry, a
+``max_payload`` and claim checks (any size is stored as is), server restarts and reconnects
+(and so publishes waiting out an outage), retention limits (``bus.retention``: message and byte
+caps with ``StreamFull`` at a discard-new limit, max age, last N per subject), a dead letter that
+cannot be written (DEAD here never refuses), the duplicate window's expiry, a
 request timeout that leaves the responder running (here the responder is cancelled), and
 ordering across subjects under concurrency.  Those are tested against a real server only
 (``tests/integration/test_bus_*.py``).  Test helpers: ``dead_letters`` (decoded ``DeadLetter``
@@ -47,7 +50,7 @@ import hashlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
@@ -333,10 +336,15 @@ class MemoryBus:
                               if self._matches(spec, s) and s.seq != last[s.subject])
             self._durables[key] = d
         elif d.spec != spec:
-            raise BusConfigError(
-                f"durable {spec.durable!r} on stream {spec.stream} exists with a different configuration "
-                f"({d.spec} vs {spec}); use one spec per durable or a new run name"
-            )
+            if sorted(d.spec.filter_subjects) != sorted(spec.filter_subjects):
+                raise BusConfigError(
+                    f"durable {spec.durable!r} on stream {spec.stream} exists with a filter that cannot change in "
+                    f"place (filter_subjects: declared {sorted(spec.filter_subjects)}, has "
+                    f"{sorted(d.spec.filter_subjects)}); run with the configuration it was made with, or a new run name"
+                )
+            # As on the server: ack_wait, max_deliver and max_ack_pending are updated in place; the
+            # durable keeps its position (its deliver policy only ever applied at creation).
+            d.spec = replace(spec, deliver_policy=d.spec.deliver_policy)
         return d
 
     def _refuse_overlap(self, spec: ConsumerSpec) -> None:

@@ -18,7 +18,9 @@ import asyncio
 import base64
 import hashlib
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -27,6 +29,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound
+from bus.publish import limit_refusal
 from bus.pull import PullInbox
 
 MiB = 1024 * 1024
@@ -79,7 +82,8 @@ class JetStreamObjectStore:
     """``bus.protocol.ObjectStore`` over one bucket; created on first use."""
 
     def __init__(self, nc: Any, js: Any, bucket: str, *, api_prefix: str = "$JS.API",
-                 chunk_size: int = CHUNK_SIZE, window_bytes: int = WINDOW_BYTES) -> None:
+                 chunk_size: int = CHUNK_SIZE, window_bytes: int = WINDOW_BYTES, max_bytes: int | None = None,
+                 full_error: Callable[[str, str], BusError] | None = None) -> None:
         self._nc = nc
         self._js = js
         self.bucket = bucket
@@ -87,6 +91,10 @@ class JetStreamObjectStore:
         self._api_prefix = api_prefix
         self.chunk_size = chunk_size
         self.window_bytes = window_bytes
+        # The bucket's byte cap (0: none; None: keep what the server has).  The bucket discards
+        # new: a put past the cap fails (``StreamFull``) instead of dropping another object's chunks.
+        self.max_bytes = max_bytes
+        self._full_error = full_error
         self._ready = False
         self._lock = asyncio.Lock()
 
@@ -97,15 +105,27 @@ class JetStreamObjectStore:
             if self._ready:
                 return
             try:
-                await self._js.stream_info(self.stream)
+                info = await self._js.stream_info(self.stream)
             except NotFoundError:
                 try:
-                    await self._js.create_object_store(
-                        self.bucket, config=api.ObjectStoreConfig(storage=api.StorageType.FILE))
+                    await self._js.create_object_store(self.bucket, config=api.ObjectStoreConfig(
+                        storage=api.StorageType.FILE, max_bytes=self.max_bytes or -1))
                 except APIError as exc:
                     if exc.err_code != 10058:  # created concurrently by another service
                         raise BusError(f"could not create object bucket {self.bucket!r}: {exc}") from None
+            else:
+                await self._update_limit(info.config)
             self._ready = True
+
+    async def _update_limit(self, have: api.StreamConfig) -> None:
+        want = self.max_bytes if self.max_bytes else -1
+        if self.max_bytes is None or (have.max_bytes or -1) == want:
+            return
+        try:
+            await self._js.update_stream(replace(have, max_bytes=want, discard=api.DiscardPolicy.NEW))
+        except APIError as exc:
+            raise BusError(f"could not set the byte limit of object bucket {self.bucket!r} to {want}: {exc}; "
+                           "lower [run.retention] objects_max_mib") from None
 
     # --- metadata --------------------------------------------------------------------
     async def _info(self, name: str) -> api.ObjectInfo | None:
@@ -133,10 +153,23 @@ class JetStreamObjectStore:
         )
 
     # --- put ---------------------------------------------------------------------------
+    async def _check_room(self, name: str, size: int) -> None:
+        """Refuse a put that cannot fit under the bucket's byte cap, before any chunk is sent:
+        nats-py (2.16) never resolves a ``publish_async`` the server refused, so a chunk refused
+        at the cap would only surface as a stall."""
+        if self._full_error is None:
+            return
+        info = await self._js.stream_info(self.stream)
+        cap = info.config.max_bytes or -1
+        if cap > 0 and info.state.bytes + size > cap:
+            raise self._full_error(self.stream, f"maximum bytes exceeded: putting {name!r} ({size} bytes) on the "
+                                                f"{info.state.bytes} stored would pass its max_bytes {cap}")
+
     async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
         await self._ensure()
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         size = len(view)
+        await self._check_room(name, size)
         old = await self._info(name)
         nuid = self._nc._nuid.next().decode()
         subject = _chunk_subject(self.bucket, nuid)
@@ -178,6 +211,8 @@ class JetStreamObjectStore:
                 await self._js.purge_stream(self.stream, subject=subject)
             except Exception:  # noqa: BLE001 - best effort; the original error matters
                 pass
+            if isinstance(exc, APIError) and self._full_error is not None and (why := limit_refusal(exc)):
+                raise self._full_error(self.stream, why) from None
             if isinstance(exc, (APIError, NatsTimeoutError, asyncio.TimeoutError)):
                 raise BusError(f"object put {name!r} to bucket {self.bucket!r} failed: {exc!r}") from exc
             raise

@@ -38,6 +38,22 @@ class PublishTimeout(BusError):
     """A publish was not acknowledged by JetStream before its deadline."""
 
 
+class StreamFull(BusError):
+    """A stream (or the object bucket) is at a retention limit that refuses new messages
+    (``discard new``): nothing was stored.  The message names the stream, the limit and the run
+    config key that raises it; the caller still holds its input, so nothing is lost."""
+
+    def __init__(self, stream: str, why: str, *, key: str = "") -> None:
+        fix = f"raise {key} in the run config, or " if key else ""
+        super().__init__(
+            f"stream {stream} is full ({why}); nothing was stored. {fix}let its consumers catch up "
+            "(`rlbus status` shows what each one has pending) and publish again"
+        )
+        self.stream = stream
+        self.why = why
+        self.key = key
+
+
 class PayloadTooLarge(BusError):
     """A payload (plus headers) would exceed the server's max_payload even with claim check."""
 

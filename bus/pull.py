@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nats.aio.msg import Msg
+from nats.errors import OutboundBufferLimitError
 
 # Client-side buffer for one inbox; the byte cap on each pull keeps us far below it.
 _SUB_PENDING_BYTES = 1024 * 1024 * 1024
@@ -103,7 +104,12 @@ class PullInbox:
             req["max_bytes"] = int(max_bytes)
         if no_wait:
             req["no_wait"] = True
-        await self._nc.publish(self._next_subject, json.dumps(req).encode(), reply=f"{self._inbox}.{self._seq}")
+        try:
+            await self._nc.publish(self._next_subject, json.dumps(req).encode(), reply=f"{self._inbox}.{self._seq}")
+        except OutboundBufferLimitError:
+            # Disconnected with the client's buffer full: this request is lost, as one sent just
+            # before a disconnect would be; callers ask again once it should have been answered.
+            pass
         return self._seq
 
     async def wait(self, timeout: float) -> None:

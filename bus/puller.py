@@ -6,7 +6,8 @@ Every delivery the caller still holds gets ``in_progress`` heartbeats from the d
 ``Heartbeat`` until it is settled, so a long hold is not redelivered to another replica; a
 delivery the caller drops without settling is only weakly held, is forgotten, and comes back
 after ``ack_wait``.  Malformed messages are dead-lettered (``bus.outcome.decoded``), never
-returned.
+returned; a message whose dead letter (or claim) cannot be handled now stays un-acked and comes
+back later: ``fetch`` never raises for one message's trouble, only for a closed bus.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from nats.aio.msg import Msg
+
 from bus.connection import Connection
 from bus.durable import Durable
-from bus.protocol import ConsumerSpec, Delivery
+from bus.protocol import BusClosed, ConsumerSpec, Delivery
 
 T = TypeVar("T")
 
@@ -42,10 +45,27 @@ class JetStreamPuller(Generic[T]):
             raws = await inbox.fetch(max_msgs, timeout, max_bytes=self.conn.pull_max_bytes)
         out: list[Delivery[T]] = []
         for raw in raws:
-            d = await self._durable.delivery(raw, weakly=True)
+            try:
+                d = await self._durable.delivery(raw, weakly=True)
+            except (BusClosed, asyncio.CancelledError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - one message's trouble must not stop the caller's pulls
+                await self._give_back(raw, exc)
+                continue
             if d is not None:
                 out.append(d)
         return out
+
+    async def _give_back(self, raw: Msg, exc: Exception) -> None:
+        """A message that could not be made a delivery stays un-acked: naked with backoff."""
+        deliveries = raw.metadata.num_delivered if raw.reply else 1
+        delay = self.conn.backoff(deliveries)
+        self.conn.log.error("delivery_failed", subject=raw.subject, durable=self.spec.durable, retry_in_s=delay,
+                            error=f"{type(exc).__name__}: {exc}"[:1000])
+        try:
+            await raw.nak(delay=delay)
+        except Exception as nak_exc:  # noqa: BLE001 - unsettled either way: back after ack_wait
+            self.conn.log.warning("nak_failed", subject=raw.subject, error=repr(nak_exc))
 
     async def pending(self) -> int:
         """Messages in the stream not yet delivered to this durable."""

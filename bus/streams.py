@@ -1,61 +1,96 @@
 """Stream and consumer declarations of one run, as code.
 
-| stream   | subjects                  | retention  | notes                                           |
-|----------|---------------------------|------------|-------------------------------------------------|
-| TASKS    | ``rl.<run>.tasks.>``      | work queue | one durable per pool, non-overlapping filters   |
-| ROLLOUTS | ``rl.<run>.rollouts.>``   | work queue | generator -> reward                             |
-| SCORED   | ``rl.<run>.scored.>``     | limits     | kept for replay; trainer acks after commit      |
-| WEIGHTS  | ``rl.<run>.weights.>``    | limits     | last N per subject (manifests and uploads)      |
-| CONTROL  | ``rl.<run>.control.>``    | limits     | the controller's audit trail                    |
-| METRICS  | ``rl.<run>.metrics.>``    | limits     | short max-age                                   |
-| DEAD     | ``rl.<run>.dead.>``       | limits     | bad messages with their reason                  |
+| stream     | subjects                  | retention  | limits (``bus.retention``)    | notes                                  |
+|------------|---------------------------|------------|-------------------------------|----------------------------------------|
+| TASKS      | ``rl.<run>.tasks.>``      | work queue | msgs + bytes, discard new     | one durable per pool, disjoint filters |
+| ROLLOUTS   | ``rl.<run>.rollouts.>``   | work queue | msgs + bytes, discard new     | generator -> reward                    |
+| SCORED     | ``rl.<run>.scored.>``     | limits     | msgs + bytes, discard old     | kept for replay; trainer acks after commit |
+| WEIGHTS    | ``rl.<run>.weights.>``    | limits     | last N per subject            | manifests and uploads                  |
+| CONTROL    | ``rl.<run>.control.>``    | limits     | last N per subject            | the controller's audit trail           |
+| METRICS    | ``rl.<run>.metrics.>``    | limits     | short max-age                 | heartbeats                             |
+| DEAD       | ``rl.<run>.dead.>``       | limits     | msgs + bytes, discard new     | bad messages with their reason         |
+| ADVISORIES | max-deliveries advisories | work queue | msgs, discard old             | ``bus.advisories``                     |
 
 Every stream has a ``duplicate_window`` so a publisher retrying with the same ``Nats-Msg-Id``
-is stored once.  ``ensure_streams`` is idempotent: it creates what is missing, accepts what is
-equal, and refuses (``BusConfigError``) a stream or durable that exists with different settings,
-naming the differing fields — silently re-configuring a live run's streams would change its
-delivery semantics under running services.
+is stored once.  ``ensure_streams`` is idempotent: it creates what is missing and accepts what is
+equal.  An existing stream whose limits or dedupe window differ is *updated in place* (logged):
+that is how a changed run config reaches a live run.  Only what JetStream cannot change under a
+stream's messages — its subjects, retention policy or storage — is refused (``BusConfigError``),
+naming the differing fields.  Limits are applied only by a connection given a ``Retention``
+(the services, from the run config); without one (a CLI tool) existing limits are kept.
+
+Durables: ``ensure_consumer`` creates a missing one and updates ``ack_wait``, ``max_deliver``,
+``max_ack_pending`` of an existing one in place (the durable keeps its position and its
+un-acked messages); a different filter or ack policy is refused with what to do.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
-from bus.protocol import BusConfigError, ConsumerSpec, StreamKind
+from bus.protocol import BusConfigError, ConsumerSpec
+from bus.retention import RETENTION_KEYS, Retention
 from bus.routing import WORK_QUEUES, origin_token, stream_kind_of  # noqa: F401 - re-exported
 from bus.subjects import STREAM_KINDS, Subjects
 
 DUPLICATE_WINDOW_S = 600.0
 METRICS_MAX_AGE_S = 600.0
 WEIGHTS_PER_SUBJECT = 8
+ADVISORIES_MAX_MSGS = 100_000
 
 
 @dataclass(frozen=True)
 class StreamDecl:
-    kind: StreamKind
+    kind: str
     config: api.StreamConfig
+    # The fields a ``Retention`` sets on this stream: kept as the server has them when the
+    # connection was given no ``Retention``.
+    limit_fields: tuple[str, ...] = ()
 
 
-def declarations(subjects: Subjects, *, weights_per_subject: int = WEIGHTS_PER_SUBJECT,
+def _unlimited(n: int) -> int:
+    return n if n > 0 else -1
+
+
+def _limits(kind: str, r: Retention) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The retention limits of stream ``kind`` (see ``bus.retention``) and the fields they set."""
+    new, old = api.DiscardPolicy.NEW, api.DiscardPolicy.OLD
+    if kind in WORK_QUEUES:
+        lim = dict(max_msgs=_unlimited(r.queue_max_msgs), max_bytes=_unlimited(r.queue_max_bytes), discard=new)
+    elif kind == "SCORED":
+        lim = dict(max_msgs=_unlimited(r.scored_max_msgs), max_bytes=_unlimited(r.scored_max_bytes), discard=old)
+    elif kind == "DEAD":
+        lim = dict(max_msgs=_unlimited(r.dead_max_msgs), max_bytes=_unlimited(r.dead_max_bytes), discard=new)
+    elif kind == "CONTROL":
+        lim = dict(max_msgs_per_subject=_unlimited(r.control_per_subject), discard=old)
+    else:
+        return {}, ()
+    return lim, tuple(lim)
+
+
+def declarations(subjects: Subjects, *, retention: Retention | None = None,
+                 weights_per_subject: int = WEIGHTS_PER_SUBJECT,
                  metrics_max_age: float = METRICS_MAX_AGE_S) -> list[StreamDecl]:
-    def cfg(kind: StreamKind, token: str, retention: api.RetentionPolicy, **extra: Any) -> StreamDecl:
+    def cfg(kind: str, token: str, retention_policy: api.RetentionPolicy, **extra: Any) -> StreamDecl:
         params: dict[str, Any] = dict(
             name=subjects.stream(kind),
             subjects=[subjects.all_of(token)],
-            retention=retention,
+            retention=retention_policy,
             storage=api.StorageType.FILE,
             discard=api.DiscardPolicy.OLD,
             duplicate_window=DUPLICATE_WINDOW_S,
             allow_direct=True,
             num_replicas=1,
         )
+        limits, fields = _limits(kind, retention or Retention())
+        params.update(limits)
         params.update(extra)
-        return StreamDecl(kind, api.StreamConfig(**params))
+        return StreamDecl(kind, api.StreamConfig(**params), fields)
 
     wq, limits = api.RetentionPolicy.WORK_QUEUE, api.RetentionPolicy.LIMITS
     return [
@@ -71,9 +106,33 @@ def declarations(subjects: Subjects, *, weights_per_subject: int = WEIGHTS_PER_S
     ]
 
 
-# Fields we declare and therefore compare; everything else is the server's business.
-_STREAM_FIELDS = ("subjects", "retention", "storage", "discard", "duplicate_window", "max_age",
-                  "max_msgs_per_subject", "num_replicas")
+def advisory_declaration(subjects: Subjects) -> StreamDecl:
+    """The run's captured max-deliveries advisories (``bus.advisories``): a small work queue."""
+    return StreamDecl("ADVISORIES", api.StreamConfig(
+        name=subjects.advisory_stream, subjects=subjects.max_deliveries_advisories(),
+        retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
+        max_msgs=ADVISORIES_MAX_MSGS, duplicate_window=120.0, num_replicas=1,
+    ))
+
+
+def limit_key(subjects: Subjects, stream: str, why: str) -> str:
+    """The run config key that raises the limit ``why`` (the server's words) of ``stream``."""
+    by_bytes = "bytes" in why
+    prefix = {subjects.stream("TASKS"): "queue", subjects.stream("ROLLOUTS"): "queue",
+              subjects.stream("SCORED"): "scored", subjects.stream("DEAD"): "dead"}.get(stream)
+    if prefix is not None:
+        return RETENTION_KEYS[f"{prefix}_max_{'bytes' if by_bytes else 'msgs'}"]
+    if stream == f"OBJ_{subjects.object_bucket}":
+        return RETENTION_KEYS["objects_max_bytes"]
+    return ""
+
+
+# Fields JetStream cannot change under a stream's messages: refused.  Every other declared
+# field is updated in place.
+_FIXED_FIELDS = ("subjects", "retention", "storage")
+_STREAM_FIELDS = ("subjects", "retention", "storage", "discard", "duplicate_window", "max_age", "max_msgs",
+                  "max_bytes", "max_msgs_per_subject", "num_replicas")
+_COUNT_FIELDS = ("max_msgs", "max_bytes", "max_msgs_per_subject")
 
 
 def _norm(value: Any) -> Any:
@@ -90,23 +149,24 @@ def _same(field: str, want: Any, have: Any) -> bool:
     w, h = _norm(want), _norm(have)
     if field in ("max_age", "duplicate_window", "ack_wait"):
         return math.isclose(float(w or 0), float(h or 0), abs_tol=1e-3)
-    if field in ("max_msgs_per_subject",):
+    if field in _COUNT_FIELDS:
         return (w if w not in (0, None) else -1) == (h if h not in (0, None) else -1)
     if field == "num_replicas":
         return (w or 1) == (h or 1)
     return w == h
 
 
-def stream_conflicts(want: api.StreamConfig, have: api.StreamConfig) -> list[str]:
+def stream_conflicts(want: api.StreamConfig, have: api.StreamConfig, fields: tuple[str, ...] = _STREAM_FIELDS) -> list[str]:
     out = []
-    for f in _STREAM_FIELDS:
+    for f in fields:
         w, h = getattr(want, f), getattr(have, f)
         if not _same(f, w, h):
             out.append(f"{f}: declared {_norm(w)!r}, server has {_norm(h)!r}")
     return out
 
 
-async def ensure_stream(js: Any, decl: StreamDecl) -> None:
+async def ensure_stream(js: Any, decl: StreamDecl, *, apply_limits: bool = True, log: Any = None) -> None:
+    """Create ``decl`` if missing; update an existing stream in place; refuse a fixed-field change."""
     name = decl.config.name
     try:
         info = await js.stream_info(name)
@@ -118,21 +178,38 @@ async def ensure_stream(js: Any, decl: StreamDecl) -> None:
             if exc.err_code != 10058:  # 10058: stream name already in use (a racing creator)
                 raise BusConfigError(f"could not create stream {name}: {exc}") from None
             info = await js.stream_info(name)
-    diffs = stream_conflicts(decl.config, info.config)
-    if diffs:
+    want = decl.config
+    if not apply_limits:  # keep the limits the server has (set by a service that knows the run config)
+        want = replace(want, **{f: getattr(info.config, f) for f in decl.limit_fields})
+    fixed = stream_conflicts(want, info.config, _FIXED_FIELDS)
+    if fixed:
         raise BusConfigError(
-            f"stream {name} exists with a different configuration ({'; '.join(diffs)}). "
-            f"Delete it (`nats stream rm {name}`) if its contents can go, or use a new run name."
+            f"stream {name} exists with a configuration that cannot be changed in place ({'; '.join(fixed)}). "
+            f"Use a new run name, or delete the stream (`nats stream rm {name}`) if its contents can go."
         )
+    changed = stream_conflicts(want, info.config)
+    if changed:
+        try:
+            await js.update_stream(want)
+        except APIError as exc:
+            raise BusConfigError(
+                f"stream {name} could not be updated to the declared limits ({'; '.join(changed)}): {exc}. "
+                "Lower the limits in [run.retention] (the server may not have the storage to reserve), or "
+                "update the stream by hand."
+            ) from None
+        if log is not None:
+            log.warning("stream_updated", stream=name, changes=changed)
 
 
-async def ensure_streams(js: Any, subjects: Subjects, **options: Any) -> None:
-    """Create the run's streams if missing; refuse conflicting existing ones."""
-    decls = declarations(subjects, **options)
+async def ensure_streams(js: Any, subjects: Subjects, *, retention: Retention | None = None, log: Any = None,
+                         **options: Any) -> None:
+    """Create the run's streams if missing, update changed ones in place, refuse fixed-field changes.
+    Without ``retention``, existing streams keep their limits (new ones get the defaults)."""
+    decls = declarations(subjects, retention=retention, **options)
     if {d.kind for d in decls} != set(STREAM_KINDS):
         raise BusConfigError("stream declarations do not cover every stream kind")  # a code defect
-    for decl in decls:
-        await ensure_stream(js, decl)
+    for decl in [*decls, advisory_declaration(subjects)]:
+        await ensure_stream(js, decl, apply_limits=retention is not None, log=log)
 
 
 # --- durable consumers ---------------------------------------------------------------------
@@ -169,21 +246,28 @@ def _filters(cfg: api.ConsumerConfig) -> list[str]:
     return [cfg.filter_subject] if cfg.filter_subject else []
 
 
+_TUNABLE = ("ack_wait", "max_deliver", "max_ack_pending")  # JetStream updates these on a live durable
+
+
 def consumer_conflicts(spec: ConsumerSpec, have: api.ConsumerConfig) -> list[str]:
+    """Differences JetStream cannot apply to an existing durable (its filter, its ack policy)."""
     out = []
     if sorted(spec.filter_subjects) != _filters(have):
         out.append(f"filter_subjects: declared {sorted(spec.filter_subjects)}, server has {_filters(have)}")
-    for f in ("ack_wait", "max_deliver", "max_ack_pending"):
-        w, h = getattr(spec, f), getattr(have, f)
-        if not _same(f, w, h):
-            out.append(f"{f}: declared {w!r}, server has {h!r}")
     if _norm(have.ack_policy) != api.AckPolicy.EXPLICIT.value:
         out.append(f"ack_policy: declared 'explicit', server has {_norm(have.ack_policy)!r}")
     return out
 
 
-async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec) -> str:
-    """Create the durable if missing; refuse a conflicting one.  Returns the stream name."""
+def consumer_changes(spec: ConsumerSpec, have: api.ConsumerConfig) -> list[str]:
+    """Differences applied in place (``ack_wait``, ``max_deliver``, ``max_ack_pending``)."""
+    return [f"{f}: {getattr(have, f)!r} -> {getattr(spec, f)!r}" for f in _TUNABLE
+            if not _same(f, getattr(spec, f), getattr(have, f))]
+
+
+async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec, *, log: Any = None) -> str:
+    """Create the durable if missing; update its tunables in place; refuse a changed filter or
+    ack policy.  Returns the stream name."""
     stream = subjects.stream(spec.stream)
     try:
         info = await js.consumer_info(stream, spec.durable)
@@ -203,11 +287,32 @@ async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec) -> st
             if exc.err_code != 10148:  # 10148: consumer already exists (a racing creator)
                 raise BusConfigError(f"could not create durable {spec.durable!r} on {stream}: {exc}") from None
             info = await js.consumer_info(stream, spec.durable)
-    diffs = consumer_conflicts(spec, info.config)
-    if diffs:
+    fixed = consumer_conflicts(spec, info.config)
+    if fixed:
         raise BusConfigError(
-            f"durable {spec.durable!r} on stream {stream} exists with a different configuration "
-            f"({'; '.join(diffs)}). Delete it (`nats consumer rm {stream} {spec.durable}`; its position "
-            "is lost) or use a new run name."
+            f"durable {spec.durable!r} on stream {stream} exists with a filter or ack policy that cannot change "
+            f"in place ({'; '.join(fixed)}). Its position and un-acked messages are kept on the server: run "
+            "with the configuration it was made with (e.g. the same [run] pools) to go on consuming, or "
+            "start a new run name for the new set of subjects. Deleting the durable "
+            f"(`nats consumer rm {stream} {spec.durable}`) would redeliver the stream from its start."
         )
+    changes = consumer_changes(spec, info.config)
+    if changes:
+        await _update_consumer(js, stream, spec, info.config, changes)
+        if log is not None:
+            log.warning("durable_updated", stream=stream, durable=spec.durable, changes=changes)
     return stream
+
+
+async def _update_consumer(js: Any, stream: str, spec: ConsumerSpec, have: api.ConsumerConfig,
+                           changes: list[str]) -> None:
+    # The server's own config with our tunables: the deliver policy, start position and
+    # everything else the durable was made with stay as they are (they cannot change).
+    cfg = replace(have, **{f: getattr(spec, f) for f in _TUNABLE})
+    try:
+        await js.add_consumer(stream, cfg)  # create-or-update: an existing durable is updated
+    except APIError as exc:
+        raise BusConfigError(
+            f"durable {spec.durable!r} on {stream} could not be updated in place ({'; '.join(changes)}): {exc}. "
+            "Keep the old settings (they are shown above as 'old -> new') or update the durable by hand."
+        ) from None

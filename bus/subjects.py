@@ -30,6 +30,8 @@ def _token(kind: str, value: str) -> str:
 # Stream names are global on a server, so they carry the run too.
 STREAM_KINDS = ("TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "CONTROL", "METRICS", "DEAD")
 ENV_OPS = ("reset", "reset_batch", "step")
+# Emitted by the server (core NATS) when a message exhausts a consumer's max_deliver.
+MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,15 @@ class Subjects:
         if kind not in STREAM_KINDS:
             raise SubjectError(f"unknown stream kind {kind!r}; expected one of {STREAM_KINDS}")
         return f"RL_{self.run}_{kind}".replace("-", "_")
+
+    @property
+    def advisory_stream(self) -> str:
+        """The run's stream of captured max-deliveries advisories (``bus.advisories``)."""
+        return f"RL_{self.run}_ADVISORIES".replace("-", "_")
+
+    def max_deliveries_advisories(self) -> list[str]:
+        """The server's max-deliveries advisory subjects of every stream of this run (any consumer)."""
+        return [f"{MAX_DELIVERIES_ADVISORY}.{self.stream(kind)}.*" for kind in STREAM_KINDS]
 
     def durable(self, role: str, pool: str | None = None) -> str:
         name = f"{_token('role', role)}" + (f"_{_token('pool', pool)}" if pool else "")

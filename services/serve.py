@@ -50,7 +50,8 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
     module = importlib.import_module(entry.module)
     life = Lifecycle()
     life.install_signal_handlers()
-    bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.name}-{instance}")
+    bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.name}-{instance}",
+                                     **run_cfg.bus_options())
     try:
         await module.run(run_cfg, cfg, bus=bus, life=life)
     finally:

@@ -16,7 +16,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.dataclasses import is_pydantic_dataclass
 from pydantic.fields import FieldInfo
 
@@ -43,6 +43,39 @@ class Settings(BaseModel):
         return out
 
 
+MiB = 1024 * 1024
+
+
+class RetentionSettings(Settings):
+    """``[run.retention]``: how much each stream of the run may hold (``bus.retention`` says what
+    happens at each limit: work queues and DEAD refuse new messages with an error naming the
+    stream and the key to raise; SCORED and CONTROL drop their oldest).  Changing a limit updates
+    the live streams in place when a service next connects."""
+
+    queue_max_msgs: int = Field(1_000_000, ge=100, le=1_000_000_000, description=(
+        "Messages each work queue (TASKS, ROLLOUTS) may hold; past it publishers get StreamFull (back-pressure)."))
+    queue_max_mib: int = Field(0, ge=0, le=1 << 20, description=(
+        "MiB each work queue (TASKS, ROLLOUTS) may hold, 0 = no cap of its own; past it publishers get "
+        "StreamFull. A byte cap reserves that much of the server's storage when the stream is made."))
+    scored_keep_steps: int = Field(1000, ge=8, le=1_000_000, description=(
+        "Optimiser steps of scored groups SCORED keeps for replay (x batch_groups messages); the oldest go "
+        "first. Must be at least 4 x (max_staleness + 2) so only long-trained groups are dropped."))
+    scored_max_mib: int = Field(0, ge=0, le=1 << 20, description=(
+        "MiB SCORED may hold, 0 = no cap of its own; past it the oldest groups go first: keep it well above what "
+        "the trainer holds un-acked. A byte cap reserves that much of the server's storage."))
+    control_per_subject: int = Field(1000, ge=10, le=1_000_000, description=(
+        "Decisions kept per CONTROL subject (the audit trail); the latest of every subject is always kept."))
+    dead_max_msgs: int = Field(100_000, ge=100, le=100_000_000, description=(
+        "Dead letters DEAD may hold; past it a dead letter is refused and its message stays un-acked (retried)."))
+    dead_max_mib: int = Field(0, ge=0, le=1 << 20, description=(
+        "MiB DEAD may hold, 0 = no cap of its own; past it a dead letter is refused and its message stays "
+        "un-acked (retried). A byte cap reserves that much of the server's storage."))
+    objects_max_mib: int = Field(0, ge=0, le=1 << 24, description=(
+        "MiB the run's object bucket (weights, claim-checked payloads) may hold; 0 = no cap of its own (a cap "
+        "reserves that much of the server's storage). "
+        "Past it a put fails with StreamFull; weight-broadcast deletes versions beyond its keep_versions."))
+
+
 class RunSettings(Settings):
     """What every service of one run agrees on.  Few primary knobs; the rest is derived."""
 
@@ -59,6 +92,20 @@ class RunSettings(Settings):
     # accuracy per step unchanged within noise: bench/staleness_sweep.py, README).
     max_staleness: int = Field(2, ge=0, le=64, description="Max policy versions between sampling and training (0 = on-policy).")
     run_dir: str = Field("runs/demo", description="Where metrics.jsonl, checkpoints, report.png and the final policy go.")
+    retention: RetentionSettings = Field(default_factory=RetentionSettings, description=(
+        "[run.retention]: stream and object-bucket limits; see RetentionSettings."))
+    publish_outage_s: float = Field(900.0, ge=1.0, le=86_400.0, description=(
+        "Seconds a publish waits for an unreachable NATS server before the service gives up (its input stays "
+        "un-acked and is redelivered): a server restart or outage shorter than this only pauses the run."))
+
+    @model_validator(mode="after")
+    def _scored_outlives_the_window(self) -> RunSettings:
+        need = 4 * (self.max_staleness + 2)
+        if self.retention.scored_keep_steps < need:
+            raise ValueError(
+                f"[run.retention] scored_keep_steps = {self.retention.scored_keep_steps} is below 4 x (max_staleness + 2) "
+                f"= {need}: SCORED would drop groups before they are trained; raise it to at least {need}")
+        return self
 
     @field_validator("run", "model_name")
     @classmethod
@@ -71,6 +118,19 @@ class RunSettings(Settings):
     @property
     def batch_samples(self) -> int:
         return self.batch_groups * self.group_size
+
+    def bus_options(self) -> dict[str, Any]:
+        """Keyword options of ``JetStreamBus.connect`` that come from the run config."""
+        from bus.retention import Retention
+
+        r = self.retention
+        retention = Retention(
+            queue_max_msgs=r.queue_max_msgs, queue_max_bytes=r.queue_max_mib * MiB,
+            scored_max_msgs=r.scored_keep_steps * self.batch_groups, scored_max_bytes=r.scored_max_mib * MiB,
+            control_per_subject=r.control_per_subject, dead_max_msgs=r.dead_max_msgs,
+            dead_max_bytes=r.dead_max_mib * MiB, objects_max_bytes=r.objects_max_mib * MiB,
+        )
+        return {"retention": retention, "publish_outage": self.publish_outage_s}
 
     @property
     def admission_window_groups(self) -> int:

@@ -1,41 +1,70 @@
-"""Periodic heartbeats: liveness, version and path-like metrics on METRICS."""
+"""Periodic heartbeats: liveness, version and path-like metrics on METRICS.
+
+Heartbeats are best-effort: each one is superseded by the next, so a beat that cannot be
+published (the server is away, METRICS refuses it) is logged and skipped, never raised — a
+heartbeat must not be what stops a service during a server outage.  Each send is bounded by
+``send_timeout`` so a beat never waits out the bus's (long) publish outage deadline; the loop
+simply tries again next period, and the first beat after the server returns reports the current
+state.  Only a closed bus ends the loop.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
 
-from bus.protocol import Bus
+from bus.protocol import Bus, BusClosed
 from bus.subjects import Subjects
+from observability.logging import get_logger
 from schemas import Heartbeat
 from services.runtime.lifecycle import Lifecycle
+
+log = get_logger()
+
+DEFAULT_SEND_TIMEOUT_S = 10.0
 
 
 class Beat:
     """Holds the latest metrics of a service; ``loop`` publishes them every ``period`` seconds."""
 
-    def __init__(self, bus: Bus, subjects: Subjects, service: str, instance: str, *, period: float = 1.0) -> None:
+    def __init__(self, bus: Bus, subjects: Subjects, service: str, instance: str, *, period: float = 1.0,
+                 send_timeout: float = DEFAULT_SEND_TIMEOUT_S) -> None:
         self.bus = bus
         self.subject = subjects.metrics(service, instance)
         self.service = service
         self.instance = instance
         self.period = period
+        self.send_timeout = send_timeout
         self.seq = 0
         self.state = "starting"
         self.version = -1
         self.metrics: dict[str, float] = {}
         self.info: dict[str, Any] = {}
         self.extra: Callable[[], dict[str, float]] | None = None
+        self.missed = 0  # beats that could not be published (skipped)
 
-    async def send(self) -> None:
+    async def send(self) -> bool:
+        """Publish one heartbeat now; False (logged) if it could not be published.  Raises only
+        ``BusClosed``: a closed bus is the service's end, a missed beat is not."""
         self.seq += 1
         metrics = dict(self.metrics)
         if self.extra is not None:
             metrics.update(self.extra())
         hb = Heartbeat(service=self.service, instance=self.instance, seq=self.seq, ts=time.time(),
                        state=self.state, version=self.version, metrics=metrics, info=self.info)
-        await self.bus.publish(self.subject, hb.encode(), msg_id=hb.msg_id)
+        try:
+            async with asyncio.timeout(self.send_timeout):
+                await self.bus.publish(self.subject, hb.encode(), msg_id=hb.msg_id)
+        except BusClosed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - best-effort: the next beat supersedes this one
+            self.missed += 1
+            log.warning("heartbeat_missed", subject=self.subject, seq=self.seq, missed=self.missed,
+                        error=f"{type(exc).__name__}: {exc}"[:300])
+            return False
+        return True
 
     async def loop(self, life: Lifecycle) -> None:
         while not life.stopping.is_set():

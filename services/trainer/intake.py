@@ -17,7 +17,7 @@ from bus.protocol import ConsumerSpec, Delivery, Puller
 from bus.subjects import Subjects
 from observability.logging import get_logger
 from schemas import ScoredGroup
-from services.runtime.config import RunSettings
+from services.runtime.config import ConfigError, RunSettings
 from services.runtime.lifecycle import Lifecycle
 from services.trainer.batch import Assembler
 from services.trainer.commit import Committer
@@ -33,7 +33,18 @@ def consumer_spec(run_cfg: RunSettings, cfg: TrainerSettings, subjects: Subjects
     pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
     window = run_cfg.admission_window_groups
     # Held un-acked: up to checkpoint_every batches plus what waits for the next batch.
-    max_ack_pending = (cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2) * run_cfg.batch_groups + 512
+    held_steps = cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2
+    max_ack_pending = held_steps * run_cfg.batch_groups + 512
+    # SCORED drops its oldest groups at its limit (bus.retention): only groups acked long ago may
+    # go, so it keeps at least twice what the trainer holds plus what is admitted but not pulled.
+    # Changing these keys later updates the durable in place (bus.streams.ensure_consumer).
+    need = 2 * (held_steps + run_cfg.max_staleness + 1)
+    if run_cfg.retention.scored_keep_steps < need:
+        raise ConfigError(
+            f"[run.retention] scored_keep_steps = {run_cfg.retention.scored_keep_steps} is too small for "
+            f"[trainer] checkpoint_every = {cfg.checkpoint_every} and max_staleness = {run_cfg.max_staleness}: "
+            f"SCORED could drop groups the trainer has not acked yet; raise it to at least {need} "
+            "(or checkpoint more often)")
     return ConsumerSpec(stream="SCORED", durable=subjects.durable("trainer"),
                         filter_subjects=tuple(subjects.scored(p) for p in pools), ack_wait=cfg.ack_wait, max_deliver=10,
                         max_ack_pending=max(max_ack_pending, 8 * window))

@@ -333,6 +333,22 @@ async def test_puller_dead_letters_bad_messages_and_returns_good_ones(any_bus):
     await eventually(lambda: _empty(any_bus, "TASKS"))
 
 
+async def test_a_durables_tunables_change_in_place_and_its_filter_cannot(any_bus):
+    s = any_bus.subjects
+    await any_bus.publish_many([(s.tasks("math"), _task(i), f"t{i}") for i in range(3)])
+    (held,) = await any_bus.puller(task_spec(any_bus, ack_wait=30.0), Task.decode).fetch(1, timeout=2.0)
+    # A restarted consumer with other ack_wait / max_deliver / max_ack_pending: same durable,
+    # same position, the held message still held (not handed out again).
+    p = any_bus.puller(task_spec(any_bus, ack_wait=45.0, max_deliver=9, max_ack_pending=50), Task.decode)
+    got = await p.fetch(5, timeout=2.0)
+    assert [d.msg.task_id for d in got] == ["t1", "t2"]
+    for d in [held, *got]:
+        await d.ack()
+    moved = ConsumerSpec(stream="TASKS", durable=task_spec(any_bus).durable, filter_subjects=(s.tasks("code"),))
+    with pytest.raises(BusConfigError, match="cannot change in place"):
+        await any_bus.puller(moved, Task.decode).fetch(1, timeout=0.1)
+
+
 async def test_a_limits_stream_keeps_acked_messages_for_every_durable(any_bus):
     s = any_bus.subjects
     await any_bus.publish(s.scored("math"), b"x", msg_id="sc1")

@@ -17,7 +17,15 @@ from services.controller.settings import ControllerSettings
 from services.environment.settings import EnvironmentSettings
 from services.generator.settings import GeneratorSettings
 from services.reward.settings import RewardSettings
-from services.runtime.config import ConfigError, RunSettings, Settings, load, load_section, read_toml
+from services.runtime.config import (
+    ConfigError,
+    RetentionSettings,
+    RunSettings,
+    Settings,
+    load,
+    load_section,
+    read_toml,
+)
 from services.trainer.advantages import AdvantageConfig
 from services.trainer.objective import ObjectiveConfig
 from services.trainer.settings import TrainerSettings
@@ -26,7 +34,9 @@ from services.up.settings import UpSettings
 # Settings classes and the nested tables inside them ([trainer.objective] …).
 FROZEN_KEYS: dict[type, list[str]] = {
     RunSettings: ["run", "nats_url", "model_name", "model_path", "pools", "eval_pool", "group_size", "batch_groups",
-                  "max_staleness", "run_dir"],
+                  "max_staleness", "run_dir", "retention", "publish_outage_s"],
+    RetentionSettings: ["queue_max_msgs", "queue_max_mib", "scored_keep_steps", "scored_max_mib", "control_per_subject",
+                        "dead_max_msgs", "dead_max_mib", "objects_max_mib"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "min_batch_groups", "batch_wait_s", "threads", "dtype", "deterministic",
                         "admission", "mid_sequence_swap", "eval_weights", "seed", "env_timeout", "slowdown", "slowdown_file", "vllm"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",

@@ -1,0 +1,68 @@
+"""Heartbeats are best-effort: a beat that cannot be published is skipped, never raised."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from bus.protocol import BusClosed, PublishTimeout
+from bus.subjects import Subjects
+from services.runtime.heartbeat import Beat
+from services.runtime.lifecycle import Lifecycle
+
+pytestmark = pytest.mark.asyncio
+
+
+class FlakyBus:
+    """Publishes fail while ``away`` (as during a server outage), hang when ``hang``."""
+
+    def __init__(self) -> None:
+        self.away = True
+        self.hang = False
+        self.published: list[str] = []
+        self.failed = 0
+
+    async def publish(self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None) -> None:
+        if self.hang:
+            await asyncio.Event().wait()
+        if self.away:
+            self.failed += 1
+            raise PublishTimeout("publish to the metrics subject was not acknowledged within 2s")
+        self.published.append(msg_id)
+
+
+async def test_the_heartbeat_loop_skips_missed_beats_and_goes_on():
+    bus = FlakyBus()
+    beat = Beat(bus, Subjects("hb"), "reward", "0", period=0.01, send_timeout=5.0)  # type: ignore[arg-type]
+    life = Lifecycle()
+    loop = asyncio.create_task(beat.loop(life))
+    async with asyncio.timeout(10):
+        while bus.failed < 5:
+            await asyncio.sleep(0.01)
+        assert not loop.done(), "a failed heartbeat publish ended the heartbeat loop"
+        bus.away = False  # the server is back
+        while len(bus.published) < 3:
+            await asyncio.sleep(0.01)
+    life.shutdown()
+    await asyncio.wait_for(loop, 5)
+    assert beat.missed >= 5 and beat.state == "stopped"
+
+
+async def test_a_hanging_beat_is_bounded_by_its_send_timeout():
+    bus = FlakyBus()
+    bus.hang = True
+    beat = Beat(bus, Subjects("hb"), "reward", "0", send_timeout=0.05)  # type: ignore[arg-type]
+    async with asyncio.timeout(5):
+        assert await beat.send() is False
+    assert beat.missed == 1
+
+
+async def test_a_closed_bus_still_ends_the_loop():
+    class ClosedBus:
+        async def publish(self, *a: object, **kw: object) -> None:
+            raise BusClosed("bus 'x' is closed")
+
+    beat = Beat(ClosedBus(), Subjects("hb"), "reward", "0")  # type: ignore[arg-type]
+    with pytest.raises(BusClosed):
+        await beat.send()
