@@ -19,7 +19,9 @@ class SubjectError(ValueError):
 
 
 def _token(kind: str, value: str) -> str:
-    if not _TOKEN.match(value):
+    # fullmatch: with match, '$' also matches before a trailing newline, and a newline in a
+    # subject breaks the protocol line.
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise SubjectError(
             f"{kind} {value!r} is not a valid subject token: use 1-64 characters of "
             "letters, digits, '_' or '-' (no dots, spaces or wildcards)"

@@ -327,7 +327,8 @@ def _message_union(tp: Any, members: list[type[Message]], *, nullable: bool) -> 
             return None
         if not isinstance(value, dict):
             raise _fail(ctx, field, tp, value)
-        member = by_kind.get(value.get(_KIND))
+        kind = value.get(_KIND)
+        member = by_kind.get(kind) if isinstance(kind, str) else None
         if member is None:
             raise SchemaError("unknown message kind in a tagged union", schema=ctx[0], version=ctx[1],
                               field=_path((field, _KIND)), expected=" | ".join(sorted(by_kind)),

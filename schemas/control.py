@@ -11,6 +11,9 @@ older one.  Every issuer (the controller, an operator's ``rlbus control``) takes
 the run's CONTROL stream.  A decision issued later therefore carries a larger seq than anything it
 could have seen, whoever issued it, and an issuer that restarts or runs beside another can never
 void the decisions that follow it (as a per-process counter started at one issuer's start time did).
+A seq more than ``MAX_SEQ_AHEAD_S`` ahead of the decoding machine's clock is refused on decode: every
+issuer would otherwise have to follow it (a seq of 1e18 would leave wall time behind for good, one
+near 2**64 would overflow the next decision's encoding), so it goes to DEAD with the reason instead.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from schemas.base import Message, invalid
+
+# A receiver refuses a Control whose seq (wall-clock microseconds) is further ahead of its own clock
+# than this: a day covers any clock skew between issuers worth tolerating; more is a broken clock or
+# a forged seq, and following it would move every later decision's seq off wall time for good.
+MAX_SEQ_AHEAD_S = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -118,13 +126,52 @@ class SetMix(Message):
                           got=repr(self.mix)[:80])
 
 
-Decision = Admit | AssignPools | Concurrency | Evaluate | RunState | SetMix
+# Why the run stopped making progress (``Stall.cause``), as the controller's stall watch tells them apart.
+STALL_CAUSES = (
+    "trainer_silent",  # no trainer heartbeat
+    "no_generator",  # no generator heard from
+    "all_generators_paused",  # every live generator paused (by whom: the decision's issuer)
+    "all_generators_draining",  # every live generator draining or drained
+    "environment_not_answering",  # no environment instance heard from: resets fail, tasks are naked
+    "trainer_not_consuming",  # scored groups wait on SCORED, the trainer takes none
+    "reward_not_scoring",  # rollouts wait on ROLLOUTS, the reward service scores none
+    "no_generator_admitted",  # the admission window is full but nothing in it reaches the trainer
+    "no_work_queued",  # the trainer waits and no task is queued (used up, or dead-lettered)
+    "generators_not_publishing",  # generators hold tasks and grant but publish nothing
+)
+
+
+@dataclass(frozen=True)
+class Stall(Message):
+    """The controller's record that the run has made no progress (no group trained or dropped, no new
+    version) for ``stalled_s`` seconds while work was waiting, and the likely ``cause``; published on
+    ``rl.<run>.control.controller.<instance>.stall`` when a stall is found, when its cause changes and
+    when progress resumes (``cause`` empty: cleared)."""
+
+    KIND = "stall"
+    cause: str  # one of STALL_CAUSES, or "" once progress resumed
+    stalled_s: float = 0.0  # seconds without progress when this record was made
+    since: float = 0.0  # wall time of the last progress
+    detail: str = ""  # what the controller saw, in words, and what to look at
+
+    def validate(self) -> None:
+        if self.cause and self.cause not in STALL_CAUSES:
+            raise invalid(self, "cause", f"must be one of {', '.join(STALL_CAUSES)} or '' (cleared)",
+                          got=repr(self.cause)[:60])
+        if not math.isfinite(self.stalled_s) or self.stalled_s < 0:
+            raise invalid(self, "stalled_s", "must be finite and >= 0", got=str(self.stalled_s))
+
+
+Decision = Admit | AssignPools | Concurrency | Evaluate | RunState | SetMix | Stall
 # The action name of each decision: the last token of its CONTROL subject.
-Action = Literal["admit", "assign_pools", "concurrency", "evaluate", "pause", "resume", "drain", "set_mix"]
+Action = Literal["admit", "assign_pools", "concurrency", "evaluate", "pause", "resume", "drain", "set_mix", "stall"]
 
 
 def action_of(decision: Decision) -> Action:
     return decision.state if isinstance(decision, RunState) else decision.KIND  # type: ignore[return-value]
+
+
+OPERATOR = "operator"  # ``Control.issuer`` of a person's decision (``rlbus control``): no controller lifts it
 
 
 class DecisionClock:
@@ -160,6 +207,11 @@ class Control(Message):
     def validate(self) -> None:
         if self.seq < 0:
             raise invalid(self, "seq", "must be >= 0", got=str(self.seq))
+        ahead = self.seq / 1e6 - time.time()
+        if ahead > MAX_SEQ_AHEAD_S:
+            raise invalid(self, "seq", f"is {ahead:.3g}s ahead of this machine's clock (at most {MAX_SEQ_AHEAD_S:.0f}s "
+                          f"allowed): a seq is wall-clock microseconds (DecisionClock); fix the clock of the issuer "
+                          f"({self.issuer or 'unknown'}) and publish the decision again", got=str(self.seq)[:40])
 
     @property
     def action(self) -> Action:
@@ -169,6 +221,39 @@ class Control(Message):
     def msg_id(self) -> str:
         """Its ``Nats-Msg-Id`` on CONTROL: a retried publish of one decision is stored once."""
         return f"ctl.{self.target_service}.{self.target_instance}.{self.action}.{self.seq}"
+
+
+MAX_NAME_LEN = 256  # a service, instance, state or metric name
+# Generous: the trainer reports outcomes per pool and per generator (5 per generator), and a metric too
+# many would stop an emitter's heartbeat (``Heartbeat`` is validated when built, too).
+MAX_METRICS = 32_768
+MAX_INFO_DEPTH = 4
+MAX_INFO_NODES = 1024  # values and keys, all levels
+MAX_INFO_STR = 1024  # characters of one string
+
+
+def _info_problem(value: Any, *, depth: int, budget: list[int]) -> str:
+    """Why ``value`` (a heartbeat's ``info``, or a part of it) is not small plain data, or ''.
+    ``budget``: nodes left to visit (shared over the walk, so a wide map is bounded as a deep one)."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        return f"more than {MAX_INFO_NODES} values"
+    if isinstance(value, str) and len(value) > MAX_INFO_STR:
+        return f"a string of {len(value)} characters (at most {MAX_INFO_STR})"
+    if isinstance(value, bytes) and len(value) > MAX_INFO_STR:
+        return f"{len(value)} bytes in one value (at most {MAX_INFO_STR})"
+    if isinstance(value, (dict, list)):
+        if depth >= MAX_INFO_DEPTH:
+            return f"nested deeper than {MAX_INFO_DEPTH} levels"
+        items = list(value.items()) if isinstance(value, dict) else [(None, v) for v in value]
+        for k, v in items:
+            if k is not None and not isinstance(k, (str, int)):
+                return f"a map key of type {type(k).__name__} (use strings)"
+            problem = (_info_problem(k, depth=depth + 1, budget=budget) if k is not None else "") \
+                or _info_problem(v, depth=depth + 1, budget=budget)
+            if problem:
+                return problem
+    return ""
 
 
 @dataclass(frozen=True)
@@ -184,6 +269,30 @@ class Heartbeat(Message):
     version: int = -1
     metrics: dict[str, float] = field(default_factory=dict)
     info: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        """Shape only.  A metric may be NaN or infinite (a loss that diverged, a ratio not measured
+        yet is worth seeing in ``rlbus status``); each reader judges the values it uses.  What no
+        healthy service sends is refused: a negative seq, a timestamp that is no time, more metrics
+        or longer names than a heartbeat needs, and ``info`` nested deeper, larger or with longer
+        strings than ``HEARTBEAT_INFO_LIMITS`` (a heartbeat is read by every watcher, twice a second)."""
+        if self.seq < 0:
+            raise invalid(self, "seq", "must be >= 0", got=str(self.seq))
+        if not math.isfinite(self.ts) or self.ts < 0:
+            raise invalid(self, "ts", "must be a finite wall time in seconds", got=str(self.ts))
+        for name in ("service", "instance", "state"):
+            if len(getattr(self, name)) > MAX_NAME_LEN:
+                raise invalid(self, name, f"longer than {MAX_NAME_LEN} characters", got=getattr(self, name)[:40])
+        if len(self.metrics) > MAX_METRICS:
+            raise invalid(self, "metrics", f"more than {MAX_METRICS} metrics; send fewer, coarser ones",
+                          got=str(len(self.metrics)))
+        long_key = next((k for k in self.metrics if len(k) > MAX_NAME_LEN), None)
+        if long_key is not None:
+            raise invalid(self, "metrics", f"a metric name is longer than {MAX_NAME_LEN} characters",
+                          got=long_key[:40])
+        problem = _info_problem(self.info, depth=0, budget=[MAX_INFO_NODES])
+        if problem:
+            raise invalid(self, "info", problem + "; keep heartbeat info to short names, numbers and small lists")
 
     @property
     def msg_id(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,6 +12,20 @@ import numpy as np
 from schemas.base import ArraySpec, Message, array_field, invalid
 
 I32 = array_field(ArraySpec("<i4"))
+
+# A task's ``pool`` and ``env`` become tokens of subjects (``rl.<run>.tasks.<pool>``,
+# ``rl.<run>.rollouts.<pool>``, ``rl.<run>.env.<env>.reset_batch``).  A dot, a space, a wildcard or
+# a control character there would widen a subscription or break the NATS protocol line, and the
+# generator holding the task would fail on it: such a task is refused where it is decoded.
+SUBJECT_TOKEN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+SUBJECT_TOKEN_RULE = "1-64 ASCII letters, digits, '_' or '-' (no dots, spaces, wildcards '*' '>' or control characters)"
+
+
+def subject_token_problem(value: object) -> str:
+    """Why ``value`` cannot be a subject token ('' when it can)."""
+    if not isinstance(value, str) or SUBJECT_TOKEN.fullmatch(value) is None:
+        return f"must be a NATS subject token: {SUBJECT_TOKEN_RULE}"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,13 @@ class Task(Message):
         if not 1 <= self.group_size <= 1024:
             raise invalid(self, "group_size", "must be in [1, 1024]", got=str(self.group_size))
         if not self.env:
-            raise invalid(self, "env", "must name an environment (e.g. 'addition')")
+            raise invalid(self, "env", f"must name an environment (e.g. 'addition'), a NATS subject token: "
+                                       f"{SUBJECT_TOKEN_RULE}")
+        for name in ("pool", "env"):
+            problem = subject_token_problem(getattr(self, name))
+            if problem:
+                raise invalid(self, name, f"{problem}; rename the {name} where the task is published",
+                              expected="a subject token", got=repr(getattr(self, name))[:80])
 
     @property
     def msg_id(self) -> str:

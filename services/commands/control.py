@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from bus.subjects import Subjects
     from schemas import Control
 
-ISSUER = "operator"
+ISSUER = "operator"  # schemas.control.OPERATOR: controllers leave an operator's pause or drain to the operator
 STATES = ("pause", "resume", "drain")
 
 
@@ -59,13 +59,15 @@ def competing(subjects: Subjects, service: str, instance: str, action: str) -> l
 
 
 async def decide(bus: Any, service: str, instance: str, decision: Any, *, reason: str,
-                 now: float | None = None) -> Control:
-    """Publish one operator decision on its subject, with a seq after every competing one."""
+                 now: float | None = None, issuer: str = ISSUER, also_after: Sequence[str] = ()) -> Control:
+    """Publish one operator decision on its subject, with a seq after every competing one (and after
+    the last decision of each ``also_after`` instance's competing subjects)."""
     from schemas import Control, DecisionClock, SchemaError
     from schemas.control import action_of
 
     clock = DecisionClock()
-    for subject in competing(bus.subjects, service, instance, action_of(decision)):
+    subjects = [s for i in (instance, *also_after) for s in competing(bus.subjects, service, i, action_of(decision))]
+    for subject in dict.fromkeys(subjects):
         raw = await bus.last(subject)
         if raw is None:
             continue
@@ -75,7 +77,7 @@ async def decide(bus: Any, service: str, instance: str, decision: Any, *, reason
             continue  # its receivers dead-letter it and never apply it: nothing to sort after
     at = time.time() if now is None else now
     ctl = Control(seq=clock.next(at), decision=decision, target_service=service, target_instance=instance,
-                  reason=reason, issued_at=at, issuer=ISSUER)
+                  reason=reason, issued_at=at, issuer=issuer)
     await bus.publish(bus.subjects.control_action(service, instance, ctl.action), ctl.encode(), msg_id=ctl.msg_id)
     return ctl
 
@@ -94,6 +96,20 @@ async def send_state(bus: Any, state: Literal["pause", "resume", "drain"], insta
     from schemas import RunState
 
     return await decide(bus, "generator", instance, RunState(state=state), reason=reason, now=now)
+
+
+async def new_run(bus: Any, instances: Sequence[str], *, issuer: str = "rlbus-up") -> Control:
+    """A run starts: resume every generator, with a seq after every run state stored for ``instances``.
+
+    CONTROL keeps the last decision per subject, and a generator that joins applies the last pause,
+    resume and drain it finds there.  When a run name is reused (``rlbus up`` on a run folder that
+    already holds a NATS store), those are the previous run's: a pause at its end, or an operator's,
+    would hold the new run's generators before anything else happened.  One resume to all, sorted
+    after them, says the new run starts running; decisions taken from now on sort after it."""
+    from schemas import RunState
+
+    return await decide(bus, "generator", "all", RunState(state="resume"), issuer=issuer, also_after=instances,
+                        reason="a new run starts: run states decided before it (pause, drain) do not carry over")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

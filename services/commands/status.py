@@ -3,6 +3,8 @@ about each, and the controller's balance of trainer consumption C against effect
 
 Built from what is on the bus, so it works from any machine: the last heartbeat of every instance
 (METRICS), the last control decision of each kind (CONTROL) and the consumer state of every stream.
+A stall the controller reports (its last ``stall`` record on CONTROL, unless progress resumed since)
+is shown first among the notes, with its cause and what the controller saw.
 ``build_snapshot`` and ``render`` are pure (tested without a server); ``--json`` prints the snapshot.
 """
 
@@ -44,6 +46,8 @@ def describe(decision: Any) -> str:
             v = ",".join(f"{p}:{_fmt(x)}" for p, x in v.items())
         elif isinstance(v, list):
             v = ",".join(map(str, v))
+        elif isinstance(v, str) and len(v) > 60:  # a stall's detail: the full text is under "stalls"
+            v = v[:57] + "..."
         parts.append(f"{k}={v}")
     return " ".join(parts)
 
@@ -127,7 +131,20 @@ def build_snapshot(run: str, heartbeats: Iterable[Any], streams: Iterable[Any], 
         admission["mix_measured_on"] = "trainer" if ctl.get("controller/mix_from_trainer", 0.0) else "generators"
     return {"run": run, "at": now, "instances": instances, "queues": queues, "balance": balance,
             "pools": _pools(ctl), "admission": admission,
-            "decisions": {k: v for k, v in last.items() if k.endswith("/all")}}
+            "decisions": {k: v for k, v in last.items() if k.endswith("/all")}, "stalls": _stalls(decisions, now)}
+
+
+def _stalls(decisions: Iterable[Any], now: float) -> dict[str, dict[str, Any]]:
+    """Per controller instance, the stall it reports now (its last ``stall`` record, unless that says
+    progress resumed): cause, how long, since when, and what it saw."""
+    last: dict[str, Any] = {}
+    for c in decisions:
+        if c.action == "stall" and (c.target_instance not in last or c.seq > last[c.target_instance].seq):
+            last[c.target_instance] = c
+    return {i: {"cause": c.decision.cause, "stalled_s": _num(c.decision.stalled_s), "since": c.decision.since,
+                "for_s": round(now - c.decision.since, 1) if c.decision.since else None,
+                "detail": c.decision.detail, "inputs": c.inputs}
+            for i, c in sorted(last.items()) if c.decision.cause}
 
 
 def _fmt(x: Any) -> str:
@@ -183,7 +200,8 @@ def render(snap: dict[str, Any]) -> list[Any]:
             queues.add_row(name if i == 0 else "", _fmt(q["messages"]) if i == 0 else "", c, _fmt(st["pending"]),
                            _fmt(st["ack_pending"]), _fmt(st["redelivered"]))
     out.append(queues)
-    notes = []
+    notes = [f"STALLED ({controller}): {st['cause']} for {_fmt(st['for_s'])}s: {st['detail']}"
+             for controller, st in snap.get("stalls", {}).items()]
     if snap["admission"]:
         notes.append("admission: " + ", ".join(f"{k}={_fmt(v)}" for k, v in snap["admission"].items()))
     # Decisions addressed to every instance of a service (a mix request, a held-out round).

@@ -9,6 +9,13 @@ was set and the task backlog per pool) and per-generator concurrency (``law.plan
 A decision is re-sent only when it changes, or after ``refresh`` seconds when the generator's
 heartbeat does not show it yet (a late joiner, a lost message).
 
+What holds a generator is read back from CONTROL, not remembered by this process: the newest run
+state addressed to it (``held_by``, from every decision ``observe`` sees).  A pause or drain that a
+controller issued (this one, one that was killed before it lifted it, or the controller of an earlier
+run under the same run name, whose last decisions a joining generator reads) is lifted once it no
+longer applies: a drain when the generator is heard from, a pause while the trainer runs.  An
+operator's pause or drain is left to the operator (the stall watch names it when it stops the run).
+
 Each decision is a ``Control`` around one typed decision (``Admit``, ``RunState``, ``AssignPools``,
 ``Concurrency``, ``Evaluate``) with the inputs it was taken on and its reason, for
 ``rl.<run>.control.<service>.<instance>.<action>``.  Its ``seq`` comes from ``clock``, the run's one
@@ -24,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import Admit, AssignPools, Concurrency, Control, Decision, DecisionClock, Evaluate, RunState, SetMix
+from schemas.control import OPERATOR
 from services.controller.law import (
     AdmissionPlan,
     assign_routes,
@@ -32,7 +40,7 @@ from services.controller.law import (
     plan_concurrency,
 )
 from services.controller.settings import ControllerSettings
-from services.controller.state import ControllerState
+from services.controller.state import DRAINING, ControllerState
 
 SHARE_STEP = 0.1  # a generator's pool shares are re-sent when one moves by more (rates are noisy)
 
@@ -82,13 +90,41 @@ class Planner:
         self._concurrency: dict[str, _Sent] = {}
         self._paused_by_us: dict[str, _Sent] = {}
         self._evicted: dict[tuple[str, str], float] = {}
+        # The newest RunState seen per (target instance or "all", boot or ""): what holds each generator,
+        # whichever controller incarnation (or operator) issued it, read back from CONTROL.
+        self.run_states: dict[tuple[str, str], Control] = {}
         self.signals = self.state.balance.signals([])
 
     # --- inputs ------------------------------------------------------------------------------
     def observe(self, ctl: Control) -> None:
         """A decision seen on the run's CONTROL stream (any issuer, this one included): the next
-        decisions taken here must sort after it."""
+        decisions taken here must sort after it, and a run state is remembered as what holds its
+        generator (``held_by``)."""
         self.clock.observe(ctl.seq)
+        if isinstance(ctl.decision, RunState) and ctl.target_service == "generator":
+            key = (ctl.target_instance, ctl.decision.boot)
+            prev = self.run_states.get(key)
+            if prev is None or ctl.seq > prev.seq:
+                self.run_states[key] = ctl
+
+    def held_by(self, instance: str, boot: str) -> Control | None:
+        """The run state in force for this boot of ``instance``, as the generator orders them (the
+        highest seq of those addressed to it, to its boot, or to all generators), or None."""
+        found = [self.run_states.get(k) for k in ((instance, ""), (instance, boot), ("all", ""))]
+        return max((c for c in found if c is not None), key=lambda c: c.seq, default=None)
+
+    def _stale_hold(self, instance: str, boot: str, states: tuple[str, ...], now: float) -> Control | None:
+        """The controller's pause or drain (or a resume of it that did not take) still holding a
+        generator that reports one of ``states``, when this controller would not hold it now: whichever
+        incarnation issued it (a restarted controller forgets what it decided, CONTROL does not).  An
+        operator's decision is theirs to lift; a resume sent less than ``refresh`` ago may still arrive."""
+        ctl = self.held_by(instance, boot)
+        info = self.state.info.get(instance)
+        if ctl is None or ctl.issuer == OPERATOR or info is None or info.state not in states or info.boot != boot:
+            return None
+        if ctl.action == "resume" and now - ctl.issued_at < self.cfg.refresh:
+            return None
+        return ctl
 
     def set_mix(self, ctl: Control) -> str | None:
         """Apply a ``SetMix`` request (the newest wins); returns a note, or raises ``MixError``."""
@@ -107,8 +143,10 @@ class Planner:
 
     # --- decisions -----------------------------------------------------------------------------
     def _control(self, instance: str, decision: Decision, reason: str, inputs: dict[str, Any], now: float) -> Control:
-        return Control(seq=self.clock.next(now), decision=decision, target_service="generator",
-                       target_instance=instance, reason=reason, inputs=inputs, issued_at=now, issuer=self.cfg.instance)
+        ctl = Control(seq=self.clock.next(now), decision=decision, target_service="generator",
+                      target_instance=instance, reason=reason, inputs=inputs, issued_at=now, issuer=self.cfg.instance)
+        self.observe(ctl)  # what holds the generator now, before CONTROL echoes it back
+        return ctl
 
     def routed_mix(self) -> dict[str, float]:
         """Expected share of starts per pool under the current routing (as the generators report it)."""
@@ -195,6 +233,14 @@ class Planner:
                 out.append(self._control(instance, RunState(state="resume", boot=boot),
                                          f"heard from again {now - at:.1f}s after it was found silent",
                                          {"state": st.info.get(instance, None) and st.info[instance].state}, now))
+        for (instance, boot), g in st.generators.items():
+            held = self._stale_hold(instance, boot, DRAINING, now) if g.alive and g.draining else None
+            if held is not None:
+                out.append(self._control(
+                    instance, RunState(state="resume", boot=boot),
+                    f"heard from and {st.info[instance].state}, held by {held.issuer}'s {held.action} (seq {held.seq}: "
+                    f"{held.reason[:80]}) that no live controller lifts: a drain is only for a silent generator",
+                    {"held_by": held.msg_id, "state": st.info[instance].state}, now))
         return out
 
     def _pausing(self, now: float) -> list[Control]:
@@ -214,6 +260,13 @@ class Planner:
                 out.append(self._control(instance, RunState(state="resume"), why,
                                          {"trainer_version": st.trainer.version, "trainer_done": st.trainer.done}, now))
                 del self._paused_by_us[instance]
+            elif not paused and (held := self._stale_hold(instance, info.boot, ("paused",), now)) is not None:
+                # Paused by another controller incarnation (one that restarted, or an earlier run under
+                # this run name: CONTROL keeps the last decision per subject and a new generator reads it).
+                out.append(self._control(
+                    instance, RunState(state="resume"),
+                    f"{why}: held by {held.issuer}'s {held.action} (seq {held.seq}: {held.reason[:80]}), which no "
+                    "longer applies", {"trainer_version": st.trainer.version, "held_by": held.msg_id}, now))
         return out
 
     def _routing(self, now: float) -> list[Control]:
@@ -267,6 +320,12 @@ class Planner:
                                       "max_batch_groups": info.max_batch_groups}, now))
             self._concurrency[instance] = _Sent(cap, now)
         return out
+
+    def record(self, decision: Decision, reason: str, inputs: dict[str, Any], now: float) -> Control:
+        """A record about this controller itself (a ``Stall``), on its own subject, in seq order."""
+        return Control(seq=self.clock.next(now), decision=decision, target_service="controller",
+                       target_instance=self.cfg.instance, reason=reason, inputs=inputs, issued_at=now,
+                       issuer=self.cfg.instance)
 
     def evaluate(self, version: int, tasks: int, why: str, now: float) -> Control:
         return self._control("all", Evaluate(version=version, tasks=tasks), why,

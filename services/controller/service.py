@@ -14,6 +14,8 @@ produces:  rl.<run>.control.generator.<instance>.<action>  (Control) ``Admit`` |
              fractions overall and per pool, queue depths, the admission window, the target mix
            rl.<run>.dead.control                     a request to this controller that does not decode, is not
              a ``SetMix`` on its own subject, or names a mix it cannot use (with the reason)
+           rl.<run>.control.controller.<instance>.stall  (Control ``Stall``) no progress for ``stall_after`` seconds
+             while work waits, with the likely cause (``stall.py``); an empty cause once progress resumes
 waits for: trainer and generator heartbeats; the stored decisions of the run before its first decision
 The decisions are made in ``planner.py`` from ``state.py``'s measurements with the pure law in
 ``law.py`` and ``balance.py`` (the simulator in ``bench/controller_sim.py`` runs the same law); this
@@ -31,9 +33,11 @@ from bus.protocol import Bus, BusError, Delivery
 from bus.subjects import SubjectError, Subjects
 from observability.logging import get_logger
 from schemas import Admit, Control, Heartbeat, SchemaError, SetMix, Task
+from schemas.control import Stall
 from services.controller.law import TrainerView, eval_due
 from services.controller.planner import MixError, Planner
 from services.controller.settings import ControllerSettings
+from services.controller.stall import StallWatch
 from services.controller.state import queue_state
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -48,6 +52,9 @@ QUEUE_POLL_S = 1.0  # consumer state is a server round trip per stream: read it 
 # sorts after them even when an operator's clock runs ahead of this one.
 HISTORY_QUIET_S = 0.5
 HISTORY_LIMIT_S = 5.0
+# CONTROL holds decisions but none has arrived yet (a slow server creating the watch): quiet means
+# nothing then, so the first decision waits for the first of them, this long at most.
+HISTORY_FIRST_LIMIT_S = 30.0
 
 
 class ControlRefused(Exception):
@@ -115,22 +122,34 @@ class ControlWatch:
         self.subjects = subjects
         self.planner = planner
         # Requests for this controller arrive on these prefixes; everything else is only observed.
+        self.instance = instance
         self.requests_on = (subjects.control("controller", instance) + ".", subjects.control("controller", "all") + ".")
         self.seen_at = time.monotonic()  # when the watch last delivered (or started)
+        self.delivered = 0  # decisions the watch delivered
 
     async def watch(self) -> None:
         self.seen_at = time.monotonic()
         async for d in self.bus.watch(self.subjects.all_of("control"), deliver="last_per_subject"):
             self.seen_at = time.monotonic()
+            self.delivered += 1
             await self.on_delivery(d)
 
-    async def history_read(self, life: Lifecycle) -> None:
+    async def history_read(self, life: Lifecycle, *, stored: int = 0) -> None:
         """Return once the stored decisions have arrived: the watch has been quiet ``HISTORY_QUIET_S``
-        (or ``HISTORY_LIMIT_S`` passed)."""
-        deadline = time.monotonic() + HISTORY_LIMIT_S
-        while time.monotonic() - self.seen_at < HISTORY_QUIET_S and time.monotonic() < deadline:
+        (or ``HISTORY_LIMIT_S`` passed) after delivering at least one when CONTROL holds ``stored`` > 0
+        (waiting up to ``HISTORY_FIRST_LIMIT_S`` for it): a restarted controller whose watch is slow to
+        start would otherwise take decisions whose seq sorts before its predecessor's, and the
+        generators would ignore them."""
+        start = time.monotonic()
+        while time.monotonic() - start < HISTORY_FIRST_LIMIT_S:
+            waiting_first = stored > 0 and self.delivered == 0
+            if not waiting_first and (time.monotonic() - self.seen_at >= HISTORY_QUIET_S
+                                      or time.monotonic() - start >= HISTORY_LIMIT_S):
+                return
             if await life.sleep(HISTORY_QUIET_S / 5):
                 return
+        log.warning("control_history_late", stored=stored, waited_s=HISTORY_FIRST_LIMIT_S,
+                    hint="the CONTROL watch delivered nothing; deciding now (seqs from this clock)")
 
     async def on_delivery(self, d: Delivery[bytes]) -> None:
         mine = d.subject.startswith(self.requests_on)
@@ -141,8 +160,8 @@ class ControlWatch:
                 await self._refuse(d, "bad_control", f"SchemaError: {exc}")
             return
         self.planner.observe(ctl)
-        if not mine:
-            return
+        if not mine or (isinstance(ctl.decision, Stall) and ctl.issuer in (self.instance, "")):
+            return  # a stall record is this controller's own report, read back
         try:
             check_subject(ctl, d.subject, self.subjects)
         except ControlRefused as exc:
@@ -176,9 +195,16 @@ class Controller:
         self.planner = Planner(cfg, self.train_pools, run_cfg.batch_groups, run_cfg.max_staleness)
         self.evals = evals
         self.beat = Beat(bus, self.subjects, "controller", cfg.instance)
-        self.beat.extra = self.planner.metrics
+        self.beat.extra = self.metrics
         self.control = ControlWatch(bus, self.subjects, self.planner, cfg.instance)
+        self.stalls = StallWatch(cfg.stall_after, cfg.silent_after)
         self.invalid_decision = ""  # the last decision the planner could not build (logged once)
+
+    def metrics(self) -> dict[str, float]:
+        """Its heartbeat: the planner's measurements, how long progress has stalled (0: it has not) and
+        how many heartbeat values it had to skip."""
+        return {**self.planner.metrics(), **self.stalls.metrics(time.time()),
+                "controller/heartbeat_values_skipped": self.planner.state.readings.skipped}
 
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
         """Every loop the service runs, for ``run_until_stopped``."""
@@ -201,7 +227,11 @@ class Controller:
             except SubjectError as exc:
                 await self.bus.dead_letter(d.subject, d.msg, reason="misplaced_heartbeat", error=str(exc))
                 continue
-            self.planner.state.observe(hb)
+            try:
+                self.planner.state.observe(hb)
+            except Exception as exc:  # noqa: BLE001 - a reading bug must cost this heartbeat, not the controller
+                log.exception("heartbeat_unusable", subject=d.subject, error=repr(exc))
+                await self.bus.dead_letter(d.subject, d.msg, reason="heartbeat_unusable", error=repr(exc))
 
     async def watch_queues(self) -> None:
         while True:
@@ -214,8 +244,16 @@ class Controller:
                 return
 
     # --- the decision loop ---------------------------------------------------------------------
+    async def stored_decisions(self) -> int:
+        """Messages CONTROL holds (0 when the server cannot say)."""
+        try:
+            return next((s.messages for s in await self.bus.streams() if s.name == self.subjects.stream("CONTROL")), 0)
+        except BusError as exc:
+            log.warning("control_history_unknown", error=str(exc))
+            return 0
+
     async def decide(self) -> None:
-        await self.control.history_read(self.life)
+        await self.control.history_read(self.life, stored=await self.stored_decisions())
         while not await self.life.sleep(self.cfg.period):
             for ctl in self.step():
                 await self.publish(ctl)
@@ -227,6 +265,23 @@ class Controller:
             due = self.evals.due(trainer)
             if due is not None:
                 await self.publish_eval(*due)
+            await self.watch_progress()
+
+    async def watch_progress(self) -> None:
+        """Report a stall (and its end) on CONTROL and in the log: never a silent one."""
+        now = time.time()
+        record = self.stalls.check(self.planner, now)
+        if record is None:
+            return
+        inputs = self.stalls.evidence.inputs() if record.cause and self.stalls.evidence else {}
+        await self.publish(self.planner.record(record, record.detail, inputs, now))
+        if not record.cause:
+            log.info("stall_cleared", detail=record.detail)
+        elif record.cause == "no_work_queued" and not (self.stalls.evidence and self.stalls.evidence.dead):
+            # The task set may simply be used up; with dead letters on DEAD, tasks were lost on the way.
+            log.warning("stall", cause=record.cause, stalled_s=record.stalled_s, detail=record.detail)
+        else:
+            log.error("stall", cause=record.cause, stalled_s=record.stalled_s, detail=record.detail)
 
     def step(self) -> list[Control]:
         try:

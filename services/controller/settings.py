@@ -20,6 +20,10 @@ class ControllerSettings(Settings):
                     "(`python -m services.commands.control set-mix`), which wins over this value.")
     route_period: float = Field(2.0, gt=0, description="Seconds between routing and concurrency decisions.")
     tau: float = Field(20.0, gt=0, description="Seconds over which measured rates, latencies and fractions are smoothed.")
+    stall_after: float = Field(
+        120.0, gt=0, description="Seconds without progress (no group trained, dropped, held or published, no new "
+                                 "version) before the controller reports a stall and its likely cause (CONTROL "
+                                 "'stall' record, `rlbus status`, an error in its log).")
 
     @field_validator("pool_mix")
     @classmethod

@@ -31,6 +31,93 @@ log = get_logger()
 
 DRAINING = ("draining", "drained")
 NO_ADMISSION = 1 << 40  # what a generator with admission off reports as its grant
+MAX_COUNT = NO_ADMISSION  # a counter beyond this is no count a service keeps (and would overflow a grant)
+MAX_CLOCK_SKEW_S = 86_400.0  # a heartbeat stamped further from this clock is timed by its arrival instead
+MAX_TOKEN_LEN = 64  # a boot id or pool name (a subject token is at most 64 characters)
+
+
+class Readings:
+    """The values the controller reads from heartbeats, each checked before use.
+
+    The schema only promises types (a metric is a float, ``info`` is small plain data): a heartbeat
+    may still carry NaN, inf, a negative or astronomically large counter, or an ``info`` value of the
+    wrong shape.  Each reader below returns the value when it is one the controller can decide on,
+    and otherwise the caller's default (what it knew before), logging the first bad value of each
+    (instance, name) once: a hostile or broken heartbeat costs a metric, never the controller."""
+
+    def __init__(self) -> None:
+        self.skipped = 0  # bad values met, for the controller's heartbeat
+        self._warned: set[tuple[str, str]] = set()
+
+    def skip(self, hb: Heartbeat, name: str, value: object, why: str) -> None:
+        self.skipped += 1
+        key = (f"{hb.service}/{hb.instance}", name)
+        if key not in self._warned and len(self._warned) < 10_000:
+            self._warned.add(key)
+            log.warning("heartbeat_value_skipped", instance=key[0], name=name, value=repr(value)[:80], why=why,
+                        fix="find what this service computes for it; the controller keeps its last good value")
+
+    def count(self, hb: Heartbeat, key: str, default: int) -> int:
+        """A cumulative counter or a version: a finite whole number in [0, MAX_COUNT]."""
+        v = hb.metrics.get(key)
+        if v is None:
+            return default
+        if not math.isfinite(v) or v < 0 or v > MAX_COUNT:
+            self.skip(hb, key, v, f"a count must be finite and within [0, {MAX_COUNT}]")
+            return default
+        return int(v)
+
+    def number(self, hb: Heartbeat, key: str, default: float) -> float:
+        """A rate, a duration or a fraction: finite and >= 0."""
+        v = hb.metrics.get(key)
+        if v is None:
+            return default
+        if not math.isfinite(v) or v < 0:
+            self.skip(hb, key, v, "must be finite and >= 0")
+            return default
+        return float(v)
+
+    def token(self, hb: Heartbeat, key: str) -> str:
+        """A short name from ``info`` (a boot id): '' when absent or unusable."""
+        v = hb.info.get(key, "")
+        if isinstance(v, str) and len(v) <= MAX_TOKEN_LEN:
+            return v
+        self.skip(hb, f"info.{key}", v, f"must be a string of at most {MAX_TOKEN_LEN} characters")
+        return ""
+
+    def names(self, hb: Heartbeat, key: str) -> list[str]:
+        """A list of short names from ``info`` (routed pools): the usable ones."""
+        v = hb.info.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(p, str) and 0 < len(p) <= MAX_TOKEN_LEN for p in v):
+            self.skip(hb, f"info.{key}", v, f"must be a list of names of at most {MAX_TOKEN_LEN} characters")
+            return [p for p in v if isinstance(p, str) and 0 < len(p) <= MAX_TOKEN_LEN] if isinstance(v, list) else []
+        return list(v)
+
+    def shares(self, hb: Heartbeat, key: str) -> dict[str, float]:
+        """Shares per name from ``info``: finite, >= 0 numbers under short names (the others left out)."""
+        v = hb.info.get(key, {})
+        ok = {p: float(w) for p, w in v.items() if isinstance(p, str) and len(p) <= MAX_TOKEN_LEN
+              and isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) and w >= 0} \
+            if isinstance(v, dict) else {}
+        if not isinstance(v, dict) or len(ok) != len(v):
+            self.skip(hb, f"info.{key}", v, "must map names to finite shares >= 0")
+        return ok
+
+    def small_int(self, hb: Heartbeat, key: str, default: int) -> int:
+        """A whole number of at least 1 from ``info`` (max batch groups), or ``default``."""
+        v = hb.info.get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= MAX_COUNT:
+            self.skip(hb, f"info.{key}", v, f"must be a number in [1, {MAX_COUNT}]")
+            return default
+        return int(v)
+
+    def ts(self, hb: Heartbeat, now: float) -> float:
+        """When it was sent; ``now`` for a stamp further than a day from this clock (the rates would
+        otherwise be measured over a made-up interval)."""
+        if abs(hb.ts - now) > MAX_CLOCK_SKEW_S:
+            self.skip(hb, "ts", hb.ts, f"more than {MAX_CLOCK_SKEW_S:.0f}s from the controller's clock")
+            return now
+        return hb.ts
 
 
 def trainer_outcomes(metrics: Mapping[str, float]) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
@@ -49,7 +136,8 @@ def trainer_outcomes(metrics: Mapping[str, float]) -> tuple[dict[str, dict[str, 
         parsed = TrainerKeys.parse_breakdown(key)
         if parsed is not None:
             kind, name, outcome = parsed
-            (by_pool if kind == "pool" else by_gen).setdefault(name, {})[outcome] = int(v)
+            if math.isfinite(v) and 0 <= v <= MAX_COUNT:  # a count nobody keeps is left out (see Readings)
+                (by_pool if kind == "pool" else by_gen).setdefault(name, {})[outcome] = int(v)
     return by_pool, by_gen
 
 
@@ -62,6 +150,8 @@ class QueueState:
     redelivered: dict[str, int] = field(default_factory=dict)  # pool -> tasks delivered more than once
     scored_pending: int = 0  # scored groups the trainer has not pulled yet
     scored_ack_pending: int = 0
+    rollouts_pending: int = 0  # rollout groups the reward service has not pulled yet
+    dead: int = 0  # messages on DEAD (each with its reason)
     at: float = 0.0
 
     def metrics(self) -> dict[str, float]:
@@ -83,6 +173,10 @@ def queue_state(streams: list[StreamState], subjects: Subjects, pools: list[str]
                 q.backlog[p], q.held[p], q.redelivered[p] = c.pending, c.ack_pending, c.redelivered
             elif s.name == subjects.stream("SCORED") and c.name == subjects.durable("trainer"):
                 q.scored_pending, q.scored_ack_pending = c.pending, c.ack_pending
+            elif s.name == subjects.stream("ROLLOUTS") and c.name == subjects.durable("reward"):
+                q.rollouts_pending = c.pending
+        if s.name == subjects.stream("DEAD"):
+            q.dead = s.messages
     return q
 
 
@@ -112,50 +206,55 @@ class ControllerState:
         self.trainer_idle_fraction = math.nan
         self.balance = BalanceState(tau_s=tau_s)
         self.heartbeats: dict[tuple[str, str], Heartbeat] = {}
+        self.seen_at: dict[tuple[str, str], float] = {}  # (service, instance) -> when last heard (0: it stopped)
         self.queues = QueueState()
         self._published_by_boot: dict[tuple[str, str], dict[str, int]] = {}
         self._trainer_seq = -1
         self._warned_no_breakdown = False
+        self.readings = Readings()
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.time() if now is None else now
         self.heartbeats[(hb.service, hb.instance)] = hb
+        self.seen_at[(hb.service, hb.instance)] = 0.0 if hb.state == "stopped" else now
         if hb.service == "generator":
             self._observe_generator(hb, now)
         elif hb.service == "trainer":
             self._observe_trainer(hb, now)
 
     def _observe_generator(self, hb: Heartbeat, now: float) -> None:
-        m = hb.metrics
-        boot = str(hb.info.get(GeneratorKeys.INFO_BOOT, ""))
+        r = self.readings
+        boot = r.token(hb, GeneratorKeys.INFO_BOOT)
         if (hb.instance, boot) not in self.generators:
             # Instance names are unique per replica: a new boot means the earlier ones are gone.
             for (inst, b), old in self.generators.items():
                 if inst == hb.instance and b != boot:
                     old.last_seen = 0.0
         g = self.generators.setdefault((hb.instance, boot), GeneratorView(hb.instance, boot))
-        g.started = int(m.get(GeneratorKeys.GROUPS_STARTED, g.started))
-        g.published = int(m.get(GeneratorKeys.GROUPS_PUBLISHED, g.published))
-        g.rate = float(m.get(GeneratorKeys.GROUPS_PER_S, g.rate))
-        reported = int(m.get(GeneratorKeys.GRANT_TOTAL, 0))
+        g.started = r.count(hb, GeneratorKeys.GROUPS_STARTED, g.started)
+        g.published = r.count(hb, GeneratorKeys.GROUPS_PUBLISHED, g.published)
+        g.rate = r.number(hb, GeneratorKeys.GROUPS_PER_S, g.rate)
+        reported = r.count(hb, GeneratorKeys.GRANT_TOTAL, 0)
         g.reported_grant = reported if reported < NO_ADMISSION else 0  # admission off: the plan's own record
         if hb.version >= 0:
-            g.weights_version = hb.version
+            g.weights_version = min(hb.version, MAX_COUNT)
         g.draining = hb.state in DRAINING
         g.last_seen = 0.0 if hb.state == "stopped" else now
-        pools = [str(p) for p in hb.info.get(GeneratorKeys.INFO_POOLS, [])]
-        concurrency = int(m.get(GeneratorKeys.CONCURRENCY, 0))
+        pools = r.names(hb, GeneratorKeys.INFO_POOLS)
+        concurrency = r.count(hb, GeneratorKeys.CONCURRENCY, 0)
+        ts = r.ts(hb, now)
         self.info[hb.instance] = GeneratorInfo(
-            boot=boot, state=hb.state, pools=pools, shares=dict(hb.info.get(GeneratorKeys.INFO_SHARES, {})),
-            concurrency=concurrency, max_batch_groups=int(hb.info.get(GeneratorKeys.INFO_MAX_BATCH_GROUPS, concurrency)),
-            version=hb.version, rate=g.rate, ts=hb.ts)
+            boot=boot, state=hb.state, pools=pools, shares=r.shares(hb, GeneratorKeys.INFO_SHARES),
+            concurrency=concurrency,
+            max_batch_groups=r.small_int(hb, GeneratorKeys.INFO_MAX_BATCH_GROUPS, max(concurrency, 1)),
+            version=hb.version, rate=g.rate, ts=ts)
         by_pool = {}
-        for key, v in m.items():
+        for key in hb.metrics:
             pool = GeneratorKeys.parse_pool_published(key)
             if pool is not None:
-                by_pool[pool] = int(v)
+                by_pool[pool] = r.count(hb, key, 0)
         self._published_by_boot[(hb.instance, boot)] = by_pool
-        self.balance.observe_generator(hb.instance, hb.ts, started=g.started, published=g.published, boot=boot,
+        self.balance.observe_generator(hb.instance, ts, started=g.started, published=g.published, boot=boot,
                                        slots=concurrency, pool=pools[0] if pools else "")
         totals: Counter[str] = Counter()
         for counts in self._published_by_boot.values():
@@ -163,20 +262,22 @@ class ControllerState:
         self.balance.observe_published_by_pool(dict(totals))
 
     def _observe_trainer(self, hb: Heartbeat, now: float) -> None:
+        r = self.readings
         m = hb.metrics
         t = self.trainer
         if hb.seq < self._trainer_seq:
             # A new trainer process: its per-process outcome counters start again from zero.
             self.balance.restart_trainer()
         self._trainer_seq = hb.seq
-        t.version = int(m.get(TrainerKeys.VERSION, t.version))
-        t.dropped_groups = int(m.get(TrainerKeys.GROUPS_DROPPED_TOTAL, t.dropped_groups))
-        t.trained_groups = int(m.get(TrainerKeys.GROUPS_TRAINED_TOTAL, t.trained_groups))
+        t.version = r.count(hb, TrainerKeys.VERSION, t.version)
+        t.dropped_groups = r.count(hb, TrainerKeys.GROUPS_DROPPED_TOTAL, t.dropped_groups)
+        t.trained_groups = r.count(hb, TrainerKeys.GROUPS_TRAINED_TOTAL, t.trained_groups)
         t.last_seen = now
         t.done = hb.state == "done"
-        t.pending_groups = int(m.get(TrainerKeys.PENDING_GROUPS, 0))
+        t.pending_groups = r.count(hb, TrainerKeys.PENDING_GROUPS, 0)
         self.trainer_seen = True
-        self.trainer_idle_fraction = float(m.get(TrainerKeys.IDLE_FRACTION, math.nan))
+        idle_fraction = m.get(TrainerKeys.IDLE_FRACTION, math.nan)
+        self.trainer_idle_fraction = idle_fraction if 0 <= idle_fraction <= 1 else math.nan  # NaN: not measured
         by_pool, by_gen = trainer_outcomes(m)
         if not by_pool and not self._warned_no_breakdown and any(m.get(TrainerKeys.groups(o), 0) for o in OUTCOMES):
             # A trainer build from before the breakdown: the controller then measures no kept fraction
@@ -184,9 +285,13 @@ class ControllerState:
             self._warned_no_breakdown = True
             log.warning("trainer_outcomes_without_breakdown", instance=hb.instance,
                         fix="run a trainer that reports trainer/pool/<pool>/groups_<outcome> (this build's)")
-        idle = m.get(TrainerKeys.IDLE_S)
-        self.balance.observe_trainer(hb.ts, trained_total=t.trained_groups, by_pool=by_pool, by_generator=by_gen,
-                                     idle_s=float(idle) if idle is not None else None)
+        idle = r.number(hb, TrainerKeys.IDLE_S, -1.0) if TrainerKeys.IDLE_S in m else -1.0
+        self.balance.observe_trainer(r.ts(hb, now), trained_total=t.trained_groups, by_pool=by_pool,
+                                     by_generator=by_gen, idle_s=idle if idle >= 0 else None)
+
+    def heard_from(self, service: str, now: float, within: float) -> int:
+        """Instances of ``service`` heard from in the last ``within`` seconds (not stopped)."""
+        return sum(1 for (svc, _), at in self.seen_at.items() if svc == service and at > 0 and now - at <= within)
 
     def live_instances(self) -> list[str]:
         return sorted({g.instance for g in self.generators.values() if g.alive and g.last_seen > 0 and not g.draining})

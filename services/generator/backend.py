@@ -57,6 +57,39 @@ class PinnedSampling(Protocol):
         ...
 
 
+@runtime_checkable
+class InputLimits(Protocol):
+    """Optional capability: what the model can take, so a task it cannot sample is refused alone
+    before sampling instead of failing the batch it landed in.  ``None``: not known."""
+
+    @property
+    def max_context(self) -> int | None:
+        """Positions the model attends over: prompt tokens + max_new_tokens must fit."""
+        ...
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids must lie in [0, vocab_size)."""
+        ...
+
+
+def input_problem(limits: InputLimits, prompt: Sequence[int], max_new_tokens: int) -> str:
+    """Why a prompt cannot be sampled with ``max_new_tokens`` on a model of these limits ('' when it can)."""
+    if len(prompt) == 0:
+        return "the prompt has no tokens: the environment rendered an empty prompt"
+    vocab = limits.vocab_size
+    bad = next((int(t) for t in prompt if t < 0 or (vocab is not None and t >= vocab)), None)
+    if bad is not None:
+        return (f"prompt token id {bad} is outside the model's vocabulary (size {vocab}): encode prompts "
+                "with the policy's own tokenizer")
+    context = limits.max_context
+    if context is not None and len(prompt) + max_new_tokens > context:
+        return (f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} = "
+                f"{len(prompt) + max_new_tokens} exceeds the model's context of {context} tokens: shorten "
+                "the prompt or lower sampling.max_new_tokens")
+    return ""
+
+
 class SampleMeter:
     """What every backend counts around a sample call: seconds, tokens, and the testing slowdown
     (``slowdown`` > 1 sleeps that multiple of the call's time, simulating a slower accelerator;

@@ -5,6 +5,11 @@ get their round's pinned weights, the backend samples in a worker thread (new we
 between decode steps), and the publisher publishes the groups and then acks the tasks.  Tasks
 that never reach sampling give their grant back; what fails is naked for another try, or
 terminated with the reason when it can never succeed.
+
+A bad task costs only itself: one that cannot be addressed or that the model cannot take (prompt
+plus max_new_tokens past its context) is refused before sampling, and when the backend raises for
+a batch, the batch is bisected so that the task causing it is handed back alone and the others
+are published without losing a delivery.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from observability.logging import get_logger
 from schemas import EnvReplyBatch, EnvResetBatch, RolloutGroup, SchemaError, Task
 from services.generator.backend import Backend
 from services.generator.core import Generator, Pins
-from services.generator.intake import Held, TaskIntake
+from services.generator.intake import TASK_MAX_DELIVER, Held, TaskIntake
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
 from services.generator.status import Status
@@ -36,7 +41,9 @@ Prompted = tuple[Held, list[int]]  # a task and the prompt ids its environment r
 class BatchDriver:
     """Takes a batch from intake, resets, samples and hands the groups to the publisher; repeats."""
 
-    ENV_RETRY_S = 2.0  # environment service down or restarting: the tasks come back after this
+    ENV_RETRY_S = 2.0  # environment service down or restarting: first retry of the held batch after this
+    ENV_RETRY_MAX_S = 10.0  # the retries back off up to this
+    ENV_OUTAGE_S = 120.0  # then the batch is naked (comes back after ENV_RETRY_S) and the next one tried
     SAMPLING_RETRY_S = 5.0  # a backend failure: the tasks come back after this (max_deliver bounds it)
     IDLE_WAIT_S = 0.1  # nothing to take: look again after this, or as soon as a decision or weights arrive
 
@@ -72,27 +79,61 @@ class BatchDriver:
         await self.status.wait_for_change(self.IDLE_WAIT_S)
 
     async def drive(self, held: list[Held]) -> None:
-        """One batch, from reset to settled (or handed back)."""
+        """One batch, from reset to settled (or handed back).  A task that can never be sampled here
+        (a pool or environment name that is no subject, a prompt the model cannot take) is refused
+        alone before sampling; the others go on without it."""
         n_train = sum(not h.is_eval for h in held)
         self.gen.begin_batch(n_train, len(held), redelivered=sum(h.delivery.deliveries > 1 for h in held))
         try:
+            held = await self._addressable(held)
             t_env = time.perf_counter()
-            ready = await self._reset(held)
+            ready = await self._screen(await self._reset(held))
             if not ready:
                 return
             t_sample = time.perf_counter()
-            groups = await self._sample(ready)
-            if groups is None:
+            sampled = await self._sample(ready)
+            if not sampled:
                 return
             self.status.show()
             t_publish = time.perf_counter()
-            await self.publisher.settle([h for h, _ in ready], groups)
-            n_eval = sum(h.is_eval for h, _ in ready)
-            log.debug("batch", train=len(ready) - n_eval, eval=n_eval, version=self.gen.backend.version,
+            await self.publisher.settle([h for h, _ in sampled], [g for _, g in sampled])
+            n_eval = sum(h.is_eval for h, _ in sampled)
+            log.debug("batch", train=len(sampled) - n_eval, eval=n_eval, version=self.gen.backend.version,
                       grant=self.gen.grant_total, started=self.gen.started, env_s=round(t_sample - t_env, 4),
                       sample_s=round(t_publish - t_sample, 4), publish_s=round(time.perf_counter() - t_publish, 4))
         finally:
             self.gen.end_batch()
+
+    # --- tasks refused alone -----------------------------------------------------------------------
+    async def _addressable(self, held: list[Held]) -> list[Held]:
+        """The tasks whose pool and environment name subjects.  Task decoding refuses other names,
+        but a name that got here any other way must cost its task, never the generator (publishing
+        the group would raise, and kill each replica that takes the task in turn)."""
+        keep: list[Held] = []
+        for h in held:
+            try:
+                self.subjects.rollouts(h.task.pool)
+                self.subjects.env(h.task.env, "reset_batch")
+            except SubjectError as exc:
+                await self._refuse([h], f"task {h.task.task_id!r} cannot be addressed: {exc}")
+                self.gen.give_back(int(not h.is_eval))
+            else:
+                keep.append(h)
+        return keep
+
+    async def _screen(self, ready: list[Prompted]) -> list[Prompted]:
+        """The tasks the model can take.  One whose prompt plus max_new_tokens exceeds the model's
+        context (or whose prompt is empty or outside the vocabulary) would fail the whole backend
+        call it lands in, every time: it is refused alone, before sampling."""
+        keep: list[Prompted] = []
+        for h, prompt in ready:
+            problem = self.gen.input_problem(h.task, prompt)
+            if problem:
+                await self._refuse([h], problem)
+                self.gen.give_back(int(not h.is_eval))
+            else:
+                keep.append((h, prompt))
+        return keep
 
     # --- environments ------------------------------------------------------------------------------
     async def _reset(self, held: list[Held]) -> list[Prompted]:
@@ -117,15 +158,8 @@ class BatchDriver:
         except SubjectError as exc:
             await self._refuse(held, f"environment name {env!r} cannot be addressed: {exc}")
             return [None] * len(held)
-        try:
-            raw = await self.bus.request(subject, EnvResetBatch(tasks=[h.task for h in held]).encode(),
-                                         timeout=self.cfg.env_timeout)
-            reply = EnvReplyBatch.decode(raw)
-            problem = reply.error or ("" if len(reply.replies) == len(held) else
-                                      f"{len(reply.replies)} replies for {len(held)} resets")
-        except (BusError, SchemaError) as exc:
-            problem = str(exc)
-        if problem:
+        reply, problem = await self._request_resets(subject, env, held)
+        if reply is None:
             for h in held:
                 await h.delivery.nak(delay=self.ENV_RETRY_S)
             log.warning("env_unavailable", tasks=len(held), env=env, error=problem)
@@ -139,25 +173,97 @@ class BatchDriver:
                 prompts.append([int(t) for t in r.observation_ids])
         return prompts
 
+    async def _request_resets(self, subject: str, env: str, held: list[Held]) -> tuple[EnvReplyBatch | None, str]:
+        """The environment's replies, or (None, why).  While it is unreachable (no responders, no reply
+        in time: a restart), the batch stays held and the same request is retried with backoff, up to
+        ``ENV_OUTAGE_S``: naking it would have the intake take the next tasks at once and cycle the
+        whole backlog through the outage, each cycle a delivery, until max_deliver dead-letters them."""
+        request = EnvResetBatch(tasks=[h.task for h in held]).encode()
+        deadline = time.monotonic() + self.ENV_OUTAGE_S
+        delay = self.ENV_RETRY_S
+        while True:
+            try:
+                reply = EnvReplyBatch.decode(await self.bus.request(subject, request, timeout=self.cfg.env_timeout))
+            except SchemaError as exc:
+                return None, str(exc)
+            except BusError as exc:  # unreachable: wait for it, holding the tasks (in_progress keeps them ours)
+                if time.monotonic() + delay > deadline:
+                    return None, f"{exc} (for {self.ENV_OUTAGE_S:.0f}s)"
+                log.warning("env_unreachable_holding_batch", tasks=len(held), env=env, error=str(exc), retry_s=delay)
+                if await self.life.sleep(delay):
+                    return None, "stopping"
+                delay = min(delay * 2, self.ENV_RETRY_MAX_S)
+                continue
+            problem = reply.error or ("" if len(reply.replies) == len(held) else
+                                      f"{len(reply.replies)} replies for {len(held)} resets")
+            return (None, problem) if problem else (reply, "")
+
     async def _refuse(self, held: list[Held], reason: str) -> None:
         """Tasks that can never succeed here: terminated and dead-lettered with the reason."""
         for h in held:
             self.gen.dead += 1
+            log.warning("task_refused", task_id=h.task.task_id, pool=h.task.pool, reason=reason)
             await h.delivery.term(reason)
 
     # --- sampling ----------------------------------------------------------------------------------
-    async def _sample(self, ready: list[Prompted]) -> list[RolloutGroup] | None:
-        """The batch's groups, in ``ready``'s order; None when sampling failed (the tasks were
-        naked for a later try and their grant given back)."""
+    async def _sample(self, ready: list[Prompted]) -> list[tuple[Held, RolloutGroup]]:
+        """The tasks that sampled, with their groups.  When the backend fails,
+        the failure is traced to the tasks that cause it (``_bisect``) so that the others are
+        published anyway and pay no delivery for it; tasks that failed are handed back."""
         try:
             pins = await self.weights.pins_for([h.task for h, _ in ready])
-            return await self._play([(h.task, p) for h, p in ready], pins)
-        except Exception as exc:  # a backend failure must not kill the service or lose tasks
-            log.exception("sampling_failed", tasks=len(ready), error=repr(exc))
-            for h, _ in ready:
-                await h.delivery.nak(delay=self.SAMPLING_RETRY_S)  # after max_deliver the advisory dead-letters it
-            self.gen.give_back(sum(not h.is_eval for h, _ in ready))
-            return None
+        except Exception as exc:  # noqa: BLE001 - held-out rounds then run on the live weights
+            log.warning("eval_unpinned", error=repr(exc), hint="the round runs on the live weights")
+            pins = {}
+        groups, error = await self._try(ready, pins)
+        if groups is not None:
+            return [(h, g) for (h, _), g in zip(ready, groups, strict=True)]
+        done: list[tuple[Held, RolloutGroup]] = []
+        if len(ready) == 1:
+            await self._hand_back(ready, error, alone=False)
+        else:
+            await self._bisect(ready, error, pins, done)
+        return done
+
+    async def _try(self, part: list[Prompted], pins: Pins) -> tuple[list[RolloutGroup] | None, str]:
+        """(groups, '') or (None, the error): a backend failure must not kill the service or lose tasks."""
+        try:
+            return await self._play([(h.task, p) for h, p in part], pins), ""
+        except Exception as exc:  # noqa: BLE001 - any backend error: the tasks are handed back, not lost
+            log.warning("sampling_failed", tasks=len(part), error=repr(exc))
+            return None, f"{type(exc).__name__}: {exc}"
+
+    async def _bisect(self, part: list[Prompted], error: str, pins: Pins, done: list[tuple[Held, RolloutGroup]]) -> None:
+        """``part`` failed with ``error``: sample each half.  Both failing says the backend fails
+        whatever the input: every task of ``part`` is handed back.  One failing puts the cause in
+        that half: bisect it.  A single task failing beside a half that sampled is the cause.
+        At most 2·log2(n) more backend calls, and the halves that sample are kept."""
+        if len(part) == 1:
+            await self._hand_back(part, error, alone=True)
+            return
+        halves = (part[: len(part) // 2], part[len(part) // 2 :])
+        tries = [await self._try(half, pins) for half in halves]
+        failed = [(half, err) for half, (groups, err) in zip(halves, tries, strict=True) if groups is None]
+        for half, (groups, _) in zip(halves, tries, strict=True):
+            if groups is not None:
+                done.extend((h, g) for (h, _), g in zip(half, groups, strict=True))
+        if len(failed) == 2:
+            await self._hand_back(part, error, alone=False)
+        elif failed:
+            await self._bisect(*failed[0], pins, done)
+
+    async def _hand_back(self, part: list[Prompted], error: str, *, alone: bool) -> None:
+        """Tasks that failed sampling: naked for another try (their grant given back), or, on their
+        last allowed delivery, terminated with the error so the dead letter says what failed."""
+        for h, _ in part:
+            n = h.delivery.deliveries
+            if n >= TASK_MAX_DELIVER:
+                beside = " while the tasks beside it sampled" if alone else ""
+                await self._refuse([h], f"task {h.task.task_id!r} failed sampling on delivery {n} of "
+                                        f"{TASK_MAX_DELIVER}{beside}: {error}")
+            else:
+                await h.delivery.nak(delay=self.SAMPLING_RETRY_S)
+        self.gen.give_back(sum(not h.is_eval for h, _ in part))
 
     async def _play(self, batch: list[tuple[Task, list[int]]], pins: Pins) -> list[RolloutGroup]:
         """Play the batch's episodes to their end.  Single-turn environments end after the one

@@ -31,7 +31,7 @@ from schemas import (
     spans_from_versions,
 )
 from schemas.metric_keys import GeneratorKeys
-from services.generator.backend import Backend, PinnedSampling, cut_at_stop
+from services.generator.backend import Backend, InputLimits, PinnedSampling, cut_at_stop, input_problem
 from services.generator.settings import GeneratorSettings
 
 log = get_logger()
@@ -71,6 +71,10 @@ class Generator:
         self.redelivered = 0  # tasks received again (another replica died or timed out holding them)
         self.eval_pinned = 0  # held-out groups sampled at exactly their round's version
         self.eval_unpinned = 0  # ... on the live weights, because that version could not be read
+        self.weights_refused = 0  # verified versions that do not fit the model (sampling went on without them)
+        self.weights_refused_version = -1
+        self.weights_refused_why = ""  # the last refusal, for the heartbeat: which version, what does not fit
+        self.weights_skipped = 0  # versions deleted by retention before this generator read them
         self._rate_window: list[tuple[float, int]] = []
 
     # --- state the batch loop and the heartbeat read --------------------------------------------
@@ -191,7 +195,21 @@ class Generator:
         self._rate_window.append((now, self.published))
         self._rate_window = [(t, c) for t, c in self._rate_window if now - t < 10.0]
 
+    def note_weights_refused(self, version: int, why: str) -> None:
+        self.dead += 1
+        self.weights_refused += 1
+        self.weights_refused_version = version
+        self.weights_refused_why = f"v{version}: {why}"[:500]
+
     # --- sampling --------------------------------------------------------------------------------
+    def input_problem(self, task: Task, prompt: list[int]) -> str:
+        """Why this task can never be sampled on this model ('' when it can): checked before sampling,
+        so it is refused alone instead of failing every task of the batch it landed in."""
+        if not isinstance(self.backend, InputLimits):
+            return ""
+        problem = input_problem(self.backend, prompt, task.sampling.max_new_tokens)
+        return f"task {task.task_id!r}: {problem}" if problem else ""
+
     @staticmethod
     def eval_version(task: Task) -> int | None:
         """The version a held-out task's round was scheduled at (None: not a held-out task)."""
@@ -261,10 +279,14 @@ class Generator:
                 "generator/min_version": self.min_version, "generator/tasks_redelivered": self.redelivered,
                 "generator/slowdown": float(getattr(self.backend, "slowdown", 1.0)),
                 "generator/eval_pinned": self.eval_pinned, "generator/eval_unpinned": self.eval_unpinned,
+                "generator/weights_refused": self.weights_refused,
+                "generator/weights_refused_version": self.weights_refused_version,
+                "generator/weights_skipped": self.weights_skipped,
                 **{GeneratorKeys.pool_published(p): n for p, n in self.published_by_pool.items()},
                 **self.backend.metrics()}
 
     def info(self) -> dict[str, object]:
         return {GeneratorKeys.INFO_BOOT: self.boot, "backend": self.cfg.backend,
                 GeneratorKeys.INFO_POOLS: list(self.pools), GeneratorKeys.INFO_SHARES: dict(self.shares),
-                GeneratorKeys.INFO_MAX_BATCH_GROUPS: self.cfg.max_batch_groups}
+                GeneratorKeys.INFO_MAX_BATCH_GROUPS: self.cfg.max_batch_groups,
+                **({"weights_refused": self.weights_refused_why} if self.weights_refused_why else {})}

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from services.generator.backend import SampleMeter
-from services.policy.load import load_policy, load_state_from_safetensors, read_weights
+from services.policy.load import check_weights, copy_weights, load_policy, load_state_from_safetensors, read_weights
 from services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
 from services.policy.sampling import SamplingParams
 
@@ -27,8 +27,19 @@ class WeightSlot:
         self.swaps = 0
         self.swap_seconds: list[float] = []
 
+    def _newest(self) -> int:
+        with self._lock:
+            return max(self.version, self._pending[0] if self._pending else -1)
+
     def stage(self, version: int, weights: bytes | memoryview) -> None:
-        tensors = read_weights(weights)  # decode outside the sampler's critical path
+        """Decode and check outside the sampler's critical path.  A version that does not fit the
+        model raises ``WeightMismatchError`` here and is never staged: were it found out at the swap,
+        in the sampler thread, it would fail a batch (or kill an idle generator, and again on every
+        restart, since the newest manifest is replayed on join)."""
+        if version <= self._newest():
+            return
+        tensors = read_weights(weights)
+        check_weights(self.model, tensors)
         with self._lock:
             if version > max(self.version, self._pending[0] if self._pending else -1):
                 self._pending = (version, tensors)
@@ -39,7 +50,7 @@ class WeightSlot:
         if pending is None:
             return False
         t0 = time.perf_counter()
-        load_state_from_safetensors(self.model, pending[1])
+        copy_weights(self.model, pending[1])  # checked when staged
         self.version = pending[0]
         self.swaps += 1
         self.swap_seconds.append(time.perf_counter() - t0)
@@ -79,6 +90,14 @@ class TorchBackend(SampleMeter):
     @property
     def eos_id(self) -> int | None:
         return self.tokenizer.eos_token_id
+
+    @property
+    def max_context(self) -> int | None:
+        return getattr(self.slot.model.config, "max_position_embeddings", None)
+
+    @property
+    def vocab_size(self) -> int | None:
+        return getattr(self.slot.model.config, "vocab_size", None)
 
     def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
         return self.metered(lambda: self.sampler.sample_groups(prompts, n, *_params(sampling, stop_ids, seed)))

@@ -164,6 +164,16 @@ def checkpoint_signature(model_path: str | Path) -> dict[str, tuple[str, tuple[i
     return out
 
 
+def config_limits(model_path: str | Path) -> tuple[int | None, int | None]:
+    """(context, vocabulary size) a Hugging Face folder's config.json declares (None: not declared)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None, None
+    context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
+    return (context if isinstance(context, int) else None), (vocab if isinstance(vocab, int) else None)
+
+
 def validate_payload(data: bytes | memoryview, expected: Mapping[str, tuple[str, tuple[int, ...]]]) -> int:
     """Refuse, before the engine is touched, any payload that vLLM's reload could fail on half-way.
 
@@ -272,6 +282,7 @@ class VllmBackend(SampleMeter):
         self.model_path = str(model_path)
         SampleMeter.__init__(self, slowdown)
         self.expected = checkpoint_signature(model_path)
+        self._config_context, self._vocab_size = config_limits(model_path)
         self._base_version = version
         self._version = version
         self._unreported = False
@@ -329,6 +340,16 @@ class VllmBackend(SampleMeter):
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    @property
+    def max_context(self) -> int | None:
+        """The engine's max_model_len (vLLM refuses a request past it), else the config's context."""
+        served = getattr(getattr(self.engine, "model_config", None), "max_model_len", None)
+        return served if isinstance(served, int) else self._config_context
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
 
     def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
         return self.metered(lambda: self._call(self._sample(prompts, n, sampling, stop_ids, seed)))

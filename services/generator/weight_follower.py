@@ -2,7 +2,11 @@
 
 A version is read through the transport its manifest names (the trainer and weight-broadcast
 agree on it), so generators need no setting of their own that could disagree.  Every read is
-digest-verified (``services.runtime.weights``); a version that does not verify is never swapped in.
+digest-verified (``services.runtime.weights``); a version that does not verify is never swapped in,
+nor one that verifies but does not fit the model (names, shapes, dtypes, non-finite values: the
+backend checks before staging).  Either is refused (logged, shown on the heartbeat, dead-lettered)
+and sampling goes on with the live weights.  A version whose bytes retention deleted before this
+generator read them is skipped: the newer versions' manifests follow.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from bus.protocol import Bus, BusError, Delivery
+from bus.protocol import Bus, BusError, Delivery, ObjectNotFound
 from observability.logging import get_logger
 from schemas import SchemaError, Task, WeightManifest
 from services.generator.backend import PinnedSampling
@@ -38,29 +42,69 @@ class WeightFollower:
         self.run_dir = run_dir
         self.manifests: dict[int, WeightManifest] = {}
         self.transports: dict[str, WeightTransport] = {}
+        self.refused: set[int] = set()  # versions that did not fit: a held-out round never pins to them
 
     async def follow(self) -> None:
         async for d in self.bus.watch(self.subject, deliver="last_per_subject"):
             await self.on_manifest(d)
 
     async def on_manifest(self, d: Delivery[bytes]) -> None:
+        """Stage the version ``d`` announces, or refuse it; never raises for what the version holds,
+        since the newest manifest is replayed to every generator that (re)joins: a version that
+        raised here would kill each of them, again on every restart."""
         try:
             manifest = WeightManifest.decode(d.msg)
-            self._remember(manifest)
-            if manifest.version <= self.backend.version:
-                return
-            t0 = time.perf_counter()
+        except SchemaError as exc:
+            await self._refuse(d, None, exc)
+            return
+        self._remember(manifest)
+        if manifest.version <= self.backend.version:
+            return
+        t0 = time.perf_counter()
+        try:
             data = await self._transport(manifest.transport).read(manifest.shards[0])
+        except (FileNotFoundError, ObjectNotFound) as exc:
+            self._skip(manifest, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - unreadable or forged bytes: refused, never fatal
+            await self._refuse(d, manifest.version, exc)
+            return
+        try:
+            # The backend checks names, shapes, dtypes and values against the live model before
+            # anything is swapped: a version that does not fit raises here and sampling goes on.
             await asyncio.to_thread(self.backend.stage, manifest.version, data)
-        except (SchemaError, WeightIntegrityError, BusError, ValueError) as exc:
-            self.gen.dead += 1
-            log.error("weights_refused", error=str(exc))
-            await self.bus.dead_letter(d.subject, d.msg, reason="weights_refused", error=f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a version that does not fit: refused, never fatal
+            await self._refuse(d, manifest.version, exc)
             return
         fetch_s = time.perf_counter() - t0
         self.status.set_metric("generator/weight_fetch_s", fetch_s)
         log.info("weights_staged", version=manifest.version, fetch_s=round(fetch_s, 4))
         self.status.changed()  # an idle batch loop applies it now; a freshness floor may have opened
+
+    async def _refuse(self, d: Delivery[bytes], version: int | None, exc: BaseException) -> None:
+        """Keep sampling on the live weights; say which version was refused and why (log, heartbeat,
+        DEAD)."""
+        error = f"{type(exc).__name__}: {exc}"
+        if version is None:
+            self.gen.dead += 1
+        else:
+            self.refused.add(version)
+            self.gen.note_weights_refused(version, error)
+        log.error("weights_refused", version=version, live_version=self.backend.version, error=error,
+                  hint="sampling goes on with the live weights; publish a version saved from this model")
+        self.status.changed()
+        try:
+            await self.bus.dead_letter(d.subject, d.msg, reason="weights_refused", error=error)
+        except BusError as bus_exc:
+            log.warning("dead_letter_failed", subject=d.subject, error=str(bus_exc))
+
+    def _skip(self, manifest: WeightManifest, exc: BaseException) -> None:
+        """A lagging generator found the version's bytes deleted by retention: newer versions exist
+        (retention keeps the newest) and their manifests follow on the watch, so go on to them."""
+        self.gen.weights_skipped += 1
+        log.warning("weights_gone", version=manifest.version, error=f"{type(exc).__name__}: {exc}",
+                    hint="retention deleted it before this generator read it; the newer versions follow")
+        self.status.changed()
 
     def _remember(self, manifest: WeightManifest) -> None:
         self.manifests[manifest.version] = manifest
@@ -84,6 +128,10 @@ class WeightFollower:
         for v in sorted({v for t in tasks if (v := Generator.eval_version(t)) is not None}):
             if v == pinned_now:
                 pins[v] = None
+                continue
+            if v in self.refused:
+                log.warning("eval_unpinned", version=v, error="this version was refused: it does not fit the model",
+                            hint="the round runs on the live weights")
                 continue
             try:
                 pins[v] = await self._read_version(v)

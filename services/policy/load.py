@@ -62,12 +62,17 @@ def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
     """Name → tensor from a safetensors file, a folder of them, serialized bytes or a mapping.
 
     Decoding is separate from `load_state_from_safetensors` so a generator can decode a new
-    version in the background and only copy between decode steps.
+    version in the background and only copy between decode steps.  Bytes or files that are not
+    safetensors raise `WeightMismatchError`, like any other payload that does not fit.
     """
     if isinstance(source, Mapping):
         return dict(source)
     if isinstance(source, (bytes, bytearray, memoryview)):
-        return load_safetensors_bytes(bytes(source))
+        try:
+            return load_safetensors_bytes(bytes(source))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type for any bad byte
+            raise WeightMismatchError(f"weight payload of {len(source)} bytes is not safetensors "
+                                      f"({type(exc).__name__}: {exc}): publish weights saved with safetensors") from None
     path = Path(source)
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
     if not files:
@@ -80,20 +85,15 @@ def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_state_from_safetensors(model: torch.nn.Module, source: WeightSource) -> int:
-    """Copy every tensor of `source` into the live `model` in place; returns the count.
+def check_weights(model: torch.nn.Module, incoming: Mapping[str, torch.Tensor]) -> None:
+    """Raise `WeightMismatchError` unless `incoming` fits the live `model` exactly.
 
-    `source` is a safetensors file, a folder of them, the serialized bytes, or a name →
-    tensor mapping. Strict: the names must be exactly the model's (tied aliases may be
-    omitted), shapes must match, values must be finite; dtype is cast to the model's. All
-    checks run before the first copy, so on error the model is unchanged.
+    The names must be exactly the model's (tied aliases may be omitted), shapes must match,
+    a floating-point tensor of the model needs a floating-point one (cast to the model's
+    dtype on copy), any other needs its own dtype, and values must be finite.  Reads the
+    model's shapes only, so it may run beside a sampler that uses the model.
     """
-    incoming = read_weights(source)
     state = model.state_dict()
-    # Tied weights appear under several names but share storage; one name per storage suffices.
-    owners: dict[int, str] = {}
-    for name, tensor in state.items():
-        owners.setdefault(tensor.data_ptr(), name)
     unknown = sorted(set(incoming) - set(state))
     if unknown:
         raise WeightMismatchError(
@@ -101,6 +101,7 @@ def load_state_from_safetensors(model: torch.nn.Module, source: WeightSource) ->
             "was it saved from a different architecture?",
             tensor=unknown[0],
         )
+    # Tied weights appear under several names but share storage; one name per storage suffices.
     provided_storage = {state[name].data_ptr() for name in incoming}
     missing = sorted(n for n, t in state.items() if n not in incoming and t.data_ptr() not in provided_storage)
     if missing:
@@ -109,18 +110,43 @@ def load_state_from_safetensors(model: torch.nn.Module, source: WeightSource) ->
             tensor=missing[0],
         )
     for name, tensor in incoming.items():
-        target = state[name]
-        if tuple(tensor.shape) != tuple(target.shape):
-            raise WeightMismatchError(
-                f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                f"{tuple(target.shape)}: the payload is for a different model size",
-                tensor=name,
-            )
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            raise WeightMismatchError(f"tensor {name!r} contains NaN or Inf: refusing the whole update", tensor=name)
+        _check_tensor(name, tensor, state[name])
+
+
+def _check_tensor(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise WeightMismatchError(
+            f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
+            f"{tuple(target.shape)}: the payload is for a different model size",
+            tensor=name,
+        )
+    if target.is_floating_point() != tensor.is_floating_point() or (
+            not target.is_floating_point() and tensor.dtype != target.dtype):
+        raise WeightMismatchError(
+            f"tensor {name!r} has dtype {tensor.dtype}, the model holds {target.dtype}: "
+            "save the weights in a floating-point dtype (they are cast to the model's)",
+            tensor=name,
+        )
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        raise WeightMismatchError(f"tensor {name!r} contains NaN or Inf: refusing the whole update", tensor=name)
+
+
+def copy_weights(model: torch.nn.Module, incoming: Mapping[str, torch.Tensor]) -> int:
+    """Copy tensors that passed `check_weights` into `model` in place; returns the count."""
+    state = model.state_dict()
     with torch.no_grad():
         for name, tensor in incoming.items():
             state[name].copy_(tensor)
     return len(incoming)
 
 
+def load_state_from_safetensors(model: torch.nn.Module, source: WeightSource) -> int:
+    """Copy every tensor of `source` into the live `model` in place; returns the count.
+
+    `source` is a safetensors file, a folder of them, the serialized bytes, or a name →
+    tensor mapping. Strict (see `check_weights`); all checks run before the first copy, so on
+    error the model is unchanged.
+    """
+    incoming = read_weights(source)
+    check_weights(model, incoming)
+    return copy_weights(model, incoming)

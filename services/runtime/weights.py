@@ -4,13 +4,17 @@ Torch-free on purpose (bytes in, bytes out) so weight-broadcast needs no torch. 
 transports, chosen by a typed config value:
 - ``objstore`` (default): the run's JetStream object store; works across machines;
 - ``file``: safetensors on a shared path (co-located or shared-FS deployments), written
-  atomically (tmp + fsync + rename) and read memory-mapped.
+  atomically (tmp + fsync + rename) and read memory-mapped.  Only paths inside the run's
+  weight directory are read, written or deleted: a manifest is a message anyone on the bus
+  could forge, and a path in it must not make a service read or delete other files.
 Every read verifies the shard's sha256 against the manifest: a version that does not verify is
-never swapped in.
+never swapped in.  Hashing and fsync take a worker thread: on the event loop they would stall
+heartbeats, acks and in-progress signals for as long as a large model takes to hash.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import mmap
 import os
@@ -30,6 +34,19 @@ class WeightIntegrityError(RuntimeError):
             f"weight shard {shard.name!r} at {shard.location!r}: sha256 {actual[:16]}… does not match the "
             f"manifest's {shard.sha256[:16]}…; the version is refused (re-publish it from the trainer)"
         )
+
+
+class WeightLocationError(WeightIntegrityError):
+    """A shard's location lies outside the transport's weight directory: refuse the version.
+    (A ``WeightIntegrityError``, so every reader that refuses a forged version refuses this one.)"""
+
+    def __init__(self, shard: Shard | None, location: str, weights_dir: Path, why: str) -> None:
+        self.shard, self.actual = shard, ""  # type: ignore[assignment]
+        self.location, self.weights_dir = location, weights_dir
+        RuntimeError.__init__(
+            self, f"weight location {location!r} {why}; the file transport only touches files under the run's "
+                  f"weight directory {str(weights_dir)!r}: write weights there (a location relative to the run "
+                  "directory such as 'weights/<model>/v1/model.safetensors', or a path inside it)")
 
 
 class WeightTransport(Protocol):
@@ -64,7 +81,7 @@ class ObjectStoreTransport:
 
     async def read(self, shard: Shard) -> bytes:
         data = await self.bus.objects.get(shard.location)
-        verify(shard, data)
+        await asyncio.to_thread(verify, shard, data)
         return data
 
     async def delete(self, shard: Shard) -> None:
@@ -72,13 +89,36 @@ class ObjectStoreTransport:
 
 
 class FileTransport:
+    """Shards as files under ``<root>/weights`` (``root`` is the run's directory, shared by the
+    services of a run).  A location is a path relative to ``root`` (``weights/<model>/v…/…``, as
+    the trainer writes it) or an absolute path; resolved, symlinks included, it must lie inside the
+    weight directory, so a forged manifest can neither read nor delete the run's checkpoints or
+    anything outside the run."""
+
     name = "file"
+    SUBDIR = "weights"
 
     def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()
+        self.weights_dir = self.root / self.SUBDIR  # not resolved: a symlink here would lead out of the run
+
+    def path_of(self, location: str, shard: Shard | None = None) -> Path:
+        """The resolved path of ``location``; raises ``WeightLocationError`` unless it is inside the weight directory."""
+        if not location or "\0" in location:
+            raise WeightLocationError(shard, location, self.weights_dir, "is empty or holds a NUL byte")
+        raw = Path(location)
+        resolved = (raw if raw.is_absolute() else self.root / raw).resolve()
+        if resolved == self.weights_dir or not resolved.is_relative_to(self.weights_dir):
+            raise WeightLocationError(shard, location, self.weights_dir, f"resolves to {str(resolved)!r}, outside it")
+        return resolved
 
     async def write(self, location: str, data: bytes) -> Shard:
-        path = self.root / location
+        path = self.path_of(location)
+        sha256 = await asyncio.to_thread(self._write, path, data)
+        return Shard(name=path.name, sha256=sha256, size=len(data), location=str(path))
+
+    @staticmethod
+    def _write(path: Path, data: bytes) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
         with open(tmp, "wb") as fh:
@@ -86,17 +126,25 @@ class FileTransport:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        return Shard(name=path.name, sha256=sha256_of(data), size=len(data), location=str(path))
+        return sha256_of(data)
 
     async def read(self, shard: Shard) -> memoryview:
-        with open(shard.location, "rb") as fh:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        view = memoryview(mm)
+        path = self.path_of(shard.location, shard)
+        return await asyncio.to_thread(self._read, path, shard)
+
+    @staticmethod
+    def _read(path: Path, shard: Shard) -> memoryview:
+        with open(path, "rb") as fh:
+            if os.fstat(fh.fileno()).st_size == 0:  # mmap refuses an empty file; its digest still decides
+                view = memoryview(b"")
+            else:
+                view = memoryview(mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ))
         verify(shard, view)
         return view
 
     async def delete(self, shard: Shard) -> None:
-        Path(shard.location).unlink(missing_ok=True)
+        path = self.path_of(shard.location, shard)
+        await asyncio.to_thread(path.unlink, missing_ok=True)
 
 
 def make_transport(kind: str, *, bus: Bus, root: str | Path) -> WeightTransport:

@@ -1,14 +1,53 @@
-"""Child service processes of ``rlbus up``: start, watch, stop by their own pids."""
+"""Child service processes of ``rlbus up``: start, watch, stop by their own pids.
+
+Children die with ``rlbus up``: each asks the kernel (Linux ``prctl(PR_SET_PDEATHSIG)``) for SIGKILL
+when its parent goes, so an ``rlbus up`` killed with SIGKILL (no chance to stop them in order) leaves
+no service running against a NATS server that went with it.  SIGKILL rather than SIGTERM: the parent
+that would have escalated a stuck graceful stop is gone, and a service loses nothing it would not
+lose to any kill -9 (un-acked tasks and groups come back after their ack wait; the trainer resumes
+from its last checkpoint).
+"""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class DieWithParent:
+    """``preexec_fn`` of a child (runs in the child between fork and exec): SIGKILL it when the
+    process that started it dies.  The parent may die before the request is in place (the kernel
+    then never sends it), so the child checks afterwards that its parent is still the one that forked
+    it, and kills itself if not.  Other platforms: nothing (children outlive a killed parent there)."""
+
+    def __init__(self) -> None:
+        self.parent = os.getpid()  # taken in the parent, before the fork
+
+    def __call__(self) -> None:
+        if not sys.platform.startswith("linux"):
+            return
+        if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed: the child would outlive its parent")
+        if os.getppid() != self.parent:  # the parent died between fork and prctl
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def spawn(argv: Sequence[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start ``argv`` with its output appended to ``log_path``, in its own session (a Ctrl-C reaches
+    only ``rlbus up``, which then stops children in order) and dying with this process."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as fh:
+        return subprocess.Popen(list(argv), stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=DieWithParent())
 
 
 @dataclass
@@ -30,14 +69,13 @@ class Children:
         self.children: list[Child] = []
 
     def start(self, name: str, service: str, config: Path, env: dict[str, str] | None = None) -> Child:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        """``rlbus serve <service> --config <config>`` as child ``name``."""
+        return self.run(name, [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config)], env)
+
+    def run(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
+        """Any command as child ``name`` (logged to ``<log_dir>/<name>.log``)."""
         log_path = self.log_dir / f"{name}.log"
-        fh = open(log_path, "ab")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        # Own session: a Ctrl-C reaches only rlbus up, which then stops children in order.
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", service, "--config", str(config)],
-                                stdout=fh, stderr=subprocess.STDOUT, env=full_env, start_new_session=True)
-        fh.close()
+        proc = spawn(argv, log_path, {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         child = Child(name, proc, log_path)
         self.children.append(child)
         return child

@@ -225,6 +225,9 @@ async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path
 
     bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-watch")
     try:
+        from services.commands.control import new_run
+
+        await new_run(bus, [f"gen-{i}" for i in range(up_cfg.generators)])
         w = UpWatch(bus, run_cfg, up_cfg, folder, children, tasks, view=view)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

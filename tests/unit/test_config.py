@@ -49,7 +49,7 @@ FROZEN_KEYS: dict[type, list[str]] = {
     EnvironmentSettings: ["instance"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "keep_eval_versions", "in_use_ttl"],
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
-                         "refresh", "pool_mix", "route_period", "tau"],
+                         "refresh", "pool_mix", "route_period", "tau", "stall_after"],
     UpSettings: ["train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
                  "max_new_tokens", "temperature", "init_target", "shutdown_grace"],
 }

@@ -7,6 +7,7 @@ decisions ``Planner.step`` returns are fed to a real ``Generator`` core, as the 
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -246,9 +247,10 @@ def test_every_decision_sorts_after_the_one_before_and_after_every_seq_seen():
     first = p.step(1.0)
     seqs = [c.seq for c in first]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-    p.observe(Control(seq=10**17, decision=RunState(state="pause"), target_service="generator", issuer="operator"))
+    ahead = int((time.time() + 3600) * 1e6)  # an operator whose clock runs an hour ahead
+    p.observe(Control(seq=ahead, decision=RunState(state="pause"), target_service="generator", issuer="operator"))
     feed(p, 2.0, trainer_state="done", gens={"gen-0": dict(boot="x", started=0, published=0)})
-    assert all(c.seq > 10**17 for c in p.step(2.0))
+    assert all(c.seq > ahead for c in p.step(2.0))
 
 
 def test_a_new_target_mix_reroutes_the_generators():

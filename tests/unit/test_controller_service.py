@@ -125,7 +125,7 @@ async def test_held_out_rounds_are_scheduled_recorded_and_pinned_by_weight_broad
         await eventually(lambda: list(b.b.eval_pins) == [0, 2])
         # What does not belong on the evaluate subject is refused there; the pins stay.
         evaluate = bus.subjects.control_action("generator", "all", "evaluate")
-        stray = Control(seq=10**18, decision=RunState(state="pause"), target_service="generator")
+        stray = Control(seq=int(time.time() * 1e6), decision=RunState(state="pause"), target_service="generator")
         await bus.publish(evaluate, stray.encode(), msg_id="stray")
         await bus.publish(evaluate, b"\xc1", msg_id="junk")
         await eventually(lambda: len(bus.dead_letters) == 2)

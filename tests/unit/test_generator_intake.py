@@ -337,20 +337,38 @@ async def test_a_task_the_environment_refuses_is_dead_lettered_with_its_reason(t
                          and h.metric("generator/dead_lettered") == 1, what="the heartbeat counts")
 
 
-async def test_tasks_come_back_with_their_grant_while_the_environment_is_unavailable(
+async def _redelivered(h: Harness) -> int:
+    [consumer] = [c for st in await h.bus.streams() for c in st.consumers if c.name == "generator_train"]
+    return consumer.redelivered
+
+
+async def test_a_batch_is_held_while_the_environment_is_unreachable_and_costs_no_delivery(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(BatchDriver, "ENV_RETRY_S", 0.3)
+    # Naking on "no responders" had the intake cycle the whole backlog through an environment
+    # restart, one delivery per cycle, until max_deliver dead-lettered it (a silent stall).
+    monkeypatch.setattr(BatchDriver, "ENV_RETRY_S", 0.05)
+    monkeypatch.setattr(BatchDriver, "ENV_RETRY_MAX_S", 0.1)
     async with Harness(tmp_path, env=False) as h:
         await h.tasks("train", 4)
         await h.admit(4)
+        await asyncio.sleep(1.0)  # the same reset retried several times meanwhile
+        assert h.groups() == [] and h.bus.dead_letters == [] and await _redelivered(h) == 0
+        await h.start_env()
+        await eventually(lambda: len(h.groups()) == 4, what="the held batch published once the environment answers")
+        assert h.bus.dead_letters == [] and await _redelivered(h) == 0
 
-        async def redelivered() -> int:
-            [consumer] = [c for st in await h.bus.streams() for c in st.consumers if c.name == "generator_train"]
-            return consumer.redelivered
 
-        # No responders: the tasks are naked (not dead-lettered) and taken again later.
+async def test_past_the_outage_bound_the_tasks_come_back_with_their_grant(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(BatchDriver, "ENV_RETRY_S", 0.1)
+    monkeypatch.setattr(BatchDriver, "ENV_RETRY_MAX_S", 0.1)
+    monkeypatch.setattr(BatchDriver, "ENV_OUTAGE_S", 0.3)
+    async with Harness(tmp_path, env=False) as h:
+        await h.tasks("train", 4)
+        await h.admit(4)
+        # Still unreachable after ENV_OUTAGE_S: the tasks are naked (not dead-lettered) and taken again.
         deadline = time.monotonic() + 10.0
-        while await redelivered() < 4:
+        while await _redelivered(h) < 4:
             assert time.monotonic() < deadline, "the tasks were not redelivered"
             await asyncio.sleep(0.02)
         assert h.groups() == [] and h.bus.dead_letters == [] and h.waiting("train") == 4
@@ -364,7 +382,9 @@ async def test_tasks_come_back_with_their_grant_while_the_environment_is_unavail
 async def test_a_sampling_failure_naks_the_tasks_and_gives_the_grant_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(BatchDriver, "SAMPLING_RETRY_S", 0.2)
-    async with Harness(tmp_path, backend=FakeBackend(failures=1)) as h:
+    # Three failures: the batch, then both of its halves (the driver bisects a failed batch to find
+    # a task that causes it; both halves failing says the backend fails whatever the input).
+    async with Harness(tmp_path, backend=FakeBackend(failures=3)) as h:
         await h.tasks("train", 4)
         await h.admit(4)
         await eventually(lambda: len(h.groups()) == 4, what="the tasks published after the failure")
