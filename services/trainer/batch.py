@@ -1,7 +1,10 @@
 """Batch assembly: which scored groups train, which are dropped, and why.  Pure, no I/O.
 
-Per rollout: *stale* when ``trainer_version - oldest token version > max_staleness`` (not trained
-on, counted; its reward still counts in its group's baseline), *invalid* on a verifier error or
+Per rollout: *stale* when its staleness (optimiser updates between the weights of its stalest
+token's version and the trainer's, ``Lineage.staleness``: ``trainer_version - oldest token version``
+unless a resumed trainer forked the versions, when samples of the lost lineage count every update
+that separates them from the restored model) exceeds ``max_staleness`` (not trained on, counted;
+its reward still counts in its group's baseline), *invalid* on a verifier error or
 environment failure (not trained on, not in the baseline).  Per group: *duplicate* when its id
 was already consumed (a redelivery after a crash), *filtered* when the counted rewards are all
 equal (no learning signal: dynamic sampling), *stale* when no rollout is fresh enough, *invalid*
@@ -20,6 +23,7 @@ from typing import Any
 
 from schemas import ScoredGroup
 from schemas.metric_keys import STALE_HELD
+from services.trainer.versions import Lineage
 
 
 @dataclass
@@ -60,10 +64,11 @@ class Assembler:
     outcomes: Outcomes = field(default_factory=Outcomes)
     rollouts_stale: int = 0
     rollouts_invalid: int = 0
+    lineage: Lineage = field(default_factory=Lineage)  # how the versions descend (forks of resumed trainers)
 
     def offer(self, group: ScoredGroup, handle: Any, *, version: int, consumed: Container[str]) -> GroupDecision:
         gid = group.task.task_id
-        staleness = [version - s.rollout.oldest_version for s in group.scored]
+        staleness = [self.lineage.staleness(version, s.rollout) for s in group.scored]
         valid = [s.valid for s in group.scored]
         fresh = [st <= self.max_staleness for st in staleness]
         train = [v and f for v, f in zip(valid, fresh, strict=True)]
@@ -102,7 +107,7 @@ class Assembler:
         """After a version bump, kept groups may have become stale: re-judge them."""
         still, out = [], []
         for d in self.kept:
-            d.staleness = [version - s.rollout.oldest_version for s in d.group.scored]
+            d.staleness = [self.lineage.staleness(version, s.rollout) for s in d.group.scored]
             d.train_mask = [v and st <= self.max_staleness for v, st in zip(d.baseline_mask, d.staleness, strict=True)]
             if any(d.train_mask):
                 still.append(d)

@@ -27,6 +27,7 @@ import torch
 from services.trainer import checkpoint
 from services.trainer.batch import GroupDecision, ledger_entries, ready_to_ack
 from services.trainer.counters import Counters
+from services.trainer.versions import VersionBook
 
 
 class Committer:
@@ -41,6 +42,7 @@ class Committer:
         # step, version and the ledger (group id -> "train" or why it was dropped), as of the last
         # step: ahead of the newest checkpoint by the steps since it.
         self.state = state
+        self.restored_version = state.version  # the version of the checkpoint resumed from
         self.unacked: list[GroupDecision] = []  # consumed or dropped since the last checkpoint
 
     @property
@@ -56,17 +58,22 @@ class Committer:
         """Ids of every group trained on or dropped (committed or not): a redelivery is a duplicate."""
         return self.state.consumed.keys()
 
-    def resume(self, published: int) -> bool:
-        """Continue after the newest version ever published (``published``): a version number
-        never names two different sets of weights.  True when this trainer resumes a run (then
-        generators may hold weights of steps lost with a crash)."""
-        resumed = self.state.step > 0 or published > self.state.version
-        self.state.version = max(self.state.version, published)
+    def resume(self, used: int) -> bool:
+        """Continue after the highest version any trainer of the run may have used (``used``:
+        handed out, uploaded or published): a version number never names two different sets of
+        weights.  True when this trainer resumes a run (then generators may hold weights of
+        steps lost with a crash)."""
+        self.restored_version = self.state.version
+        resumed = self.state.step > 0 or used > self.state.version
+        self.state.version = max(self.state.version, used)
         return resumed
 
-    def new_lineage(self) -> None:
-        """A version of its own for the weights this trainer resumes from."""
+    def new_lineage(self, book: VersionBook) -> None:
+        """A version of its own for the weights this trainer resumes from, recorded in ``book`` as
+        a fork of the checkpoint's version (durable before anyone sees it): versions between the
+        two are a lost lineage, which staleness measures through the fork (versions.py)."""
         self.state.version += 1
+        book.fork(self.state.version, self.restored_version)
 
     def record_step(self, batch: list[GroupDecision], dropped: list[GroupDecision]) -> None:
         """A step trained ``batch``: a new version, its groups consumed, and every group dropped

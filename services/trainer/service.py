@@ -5,7 +5,8 @@ consumes:  rl.<run>.scored.<pool>   (ScoredGroup)  durable 'trainer', explicit a
 produces:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  msg id 'upload.<model>.v<N>'
            rl.<run>.metrics.trainer.<instance>  (Heartbeat) per step: loss, mismatch, staleness, idle,
                                                    group outcomes per pool and per generator
-reads:     rl.<run>.weights.<model>  (last WeightManifest) once at start: the newest published version
+reads:     rl.<run>.weights.<model>  (last WeightManifest) once at start: with <checkpoints>/versions.json
+           (every version handed out, uploads in flight included), the highest version ever used
 waits for: a full batch of ``batch_groups`` informative, fresh groups
 unblocked by: generators (via reward) producing within the controller's admission
 
@@ -20,8 +21,10 @@ A scored group passes through, in order:
   Telemetry (telemetry.py)  heartbeats the counters (counters.py) and the step's metrics
 A crash redelivers what was not checkpointed; the checkpoint's ledger turns redeliveries of
 committed groups into acks, so no group is trained twice in the surviving model.  Versions are a
-monotonic identity of published weights: a resumed trainer continues after the newest version
-ever published, so a number never names two different sets of weights.  A graceful stop
+monotonic identity of weights: a resumed trainer continues after the highest version any trainer
+of the run handed out or published (versions.py), so a number never names two different
+sets of weights, and its restored model's version is recorded as a fork of the checkpoint's, so
+samples of the versions lost with the crash are not taken for fresh ones.  A graceful stop
 commits what was trained and naks what waited for a batch.
 Under torchrun (``[trainer] distributed``) this is rank 0; the other ranks only follow its
 steps and state gathers (distributed.py).
@@ -36,7 +39,7 @@ from pathlib import Path
 from bus.protocol import Bus
 from bus.subjects import Subjects
 from observability.logging import get_logger
-from schemas import ScoredGroup, WeightManifest
+from schemas import SchemaError, ScoredGroup, WeightManifest
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
@@ -51,6 +54,7 @@ from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, pack
 from services.trainer.telemetry import Telemetry
 from services.trainer.upload import Uploader
+from services.trainer.versions import VersionBook
 
 log = get_logger()
 
@@ -64,6 +68,21 @@ async def run(run_cfg: RunSettings, cfg: TrainerSettings, *, bus: Bus, life: Lif
         await trainer.run()
     finally:
         await policy.close()
+
+
+async def highest_version_used(bus: Bus, subjects: Subjects, model_name: str, book: VersionBook) -> int:
+    """The highest version number any trainer of this run may have used: handed out (the book is
+    written before an upload starts, so it covers uploads still in flight to weight-broadcast) or
+    published.  Not the newest message on the uploads subject: nothing has verified it yet, and a
+    forged or broken upload (which weight-broadcast refuses) must not move the numbering."""
+    used = book.highest
+    raw = await bus.last(subjects.weights(model_name))
+    if raw is not None:
+        try:
+            used = max(used, WeightManifest.decode(raw).version)
+        except SchemaError as exc:  # weight-broadcast's own record; the book still counts
+            log.warning("unreadable_weight_manifest", subject=subjects.weights(model_name), error=str(exc))
+    return used
 
 
 class TrainerLoop:
@@ -87,22 +106,26 @@ class TrainerLoop:
         """Resume from the latest checkpoint (if any) and wire the parts."""
         subjects = Subjects(run_cfg.run)
         run_dir = Path(run_cfg.run_dir)
-        state = await asyncio.to_thread(checkpoint.load_latest, run_dir / "checkpoints", policy.model,
+        ckpt_dir = run_dir / "checkpoints"
+        state = await asyncio.to_thread(checkpoint.load_latest, ckpt_dir, policy.model,
                                         policy.optimizer) or checkpoint.TrainerState()
+        book = await asyncio.to_thread(VersionBook.load, ckpt_dir)
         counters = Counters.restore(state.counters)
-        committer = Committer(run_dir / "checkpoints", policy.model, policy.optimizer, state, counters,
+        committer = Committer(ckpt_dir, policy.model, policy.optimizer, state, counters,
                               checkpoint_every=cfg.checkpoint_every, keep=cfg.checkpoint_keep)
         uploader = Uploader(bus, subjects, make_transport(cfg.transport, bus=bus, root=run_dir), policy.model,
-                            model_name=run_cfg.model_name, transport_kind=cfg.transport)
-        assembler = Assembler(batch_groups=run_cfg.batch_groups, max_staleness=run_cfg.max_staleness)
+                            model_name=run_cfg.model_name, transport_kind=cfg.transport, book=book)
+        assembler = Assembler(batch_groups=run_cfg.batch_groups, max_staleness=run_cfg.max_staleness,
+                              lineage=book.lineage)
         telemetry = Telemetry(Beat(bus, subjects, "trainer", cfg.instance, period=1.0), counters, assembler, committer)
-        latest_raw = await bus.last(subjects.weights(run_cfg.model_name))
-        resumed = committer.resume(WeightManifest.decode(latest_raw).version if latest_raw is not None else 0)
+        resumed = committer.resume(await highest_version_used(bus, subjects, run_cfg.model_name, book))
         telemetry.set_version(committer.version)
         if resumed:
-            log.info("trainer_resumed", step=committer.step, version=committer.version, consumed=len(state.consumed))
+            log.info("trainer_resumed", step=committer.step, checkpoint_version=committer.restored_version,
+                     version=committer.version + 1, consumed=len(state.consumed))
             # Generators may hold weights of steps lost with the crash: move them to this lineage.
-            committer.new_lineage()
+            await asyncio.to_thread(committer.new_lineage, book)
+            assembler.lineage = book.lineage
             await uploader.hand_over(committer.version, committer.step)
         intake = Intake(bus.puller(consumer_spec(run_cfg, cfg, subjects), ScoredGroup.decode), assembler, committer,
                         counters, telemetry, batch_groups=run_cfg.batch_groups, fetch_timeout=cfg.fetch_timeout,

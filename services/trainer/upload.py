@@ -3,7 +3,8 @@
 The weights are snapshotted when a step ends (the next step changes them), then written through
 the weight transport and announced on ``rl.<run>.weights.<model>.upload`` in the background,
 while the trainer already fills its next batch.  One upload runs at a time, in version order, so
-weight-broadcast never sees version N + 1 before N.
+weight-broadcast never sees version N + 1 before N.  Each version is recorded in the run's
+``VersionBook`` before its bytes are written, so a restarted trainer never reuses its number.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from bus.subjects import Subjects
 from schemas import TensorMeta, WeightManifest
 from schemas.weights import Transport
 from services.runtime.weights import WeightTransport
+from services.trainer.versions import VersionBook
 
 
 def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
@@ -31,8 +33,9 @@ def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
 
 class Uploader:
     def __init__(self, bus: Bus, subjects: Subjects, transport: WeightTransport, model: torch.nn.Module, *,
-                 model_name: str, transport_kind: Transport) -> None:
+                 model_name: str, transport_kind: Transport, book: VersionBook) -> None:
         self._bus = bus
+        self._book = book  # the highest version handed out, durable before a version leaves
         self._subjects = subjects
         self._transport = transport
         self._transport_kind = transport_kind  # what a generator reads the bytes with
@@ -55,6 +58,7 @@ class Uploader:
 
     async def _upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int) -> float:
         t0 = time.perf_counter()
+        await asyncio.to_thread(self._book.reserve, version)
         shard = await self._transport.write(f"weights/{self._model_name}/v{version:08d}/model.safetensors", data)
         manifest = WeightManifest(model=self._model_name, version=version, transport=self._transport_kind,
                                   shards=[shard], tensors=metas, trainer_step=step, created_at=time.time(),

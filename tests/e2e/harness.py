@@ -115,13 +115,16 @@ async def wait_heartbeat(bus: JetStreamBus, pred: Callable[[Heartbeat], bool], t
 
 
 def checkpoint_state(root: Path) -> dict[str, Any]:
-    ckpt = root / "checkpoints"
-    folder = ckpt / json.loads((ckpt / "latest").read_text())["checkpoint"]
-    state = json.loads((folder / "state.json").read_text())
+    from services.trainer.checkpoint import peek_newest  # the ledger lives beside the folder (ledger.py)
+
+    newest = peek_newest(root / "checkpoints")
+    assert newest is not None, f"no checkpoint in {root / 'checkpoints'}"
+    folder, state = newest
     # The ledger must never run ahead of the model beside it: a crash would then restart from
-    # weights without updates the ledger calls trained.
-    assert folder.name == f"step-{state['step']:08d}", f"{folder.name} holds the ledger of step {state['step']}"
-    return state
+    # weights without updates the ledger calls trained.  (A step saved again is step-<N>-<seq>.)
+    assert folder.name.startswith(f"step-{state.step:08d}"), f"{folder.name} holds the ledger of step {state.step}"
+    return {"step": state.step, "version": state.version, "consumed": dict(state.consumed),
+            "counters": state.counters}
 
 
 def wait_until(pred: Callable[[], bool], timeout: float, what: str) -> None:

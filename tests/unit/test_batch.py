@@ -239,8 +239,6 @@ def test_staleness_boundary_is_inclusive(max_staleness):
 
 
 def test_a_ledger_only_save_adds_dropped_groups_and_never_runs_ahead_of_the_model(tmp_path):
-    import json
-
     import torch
 
     from services.trainer import checkpoint
@@ -254,8 +252,8 @@ def test_a_ledger_only_save_adds_dropped_groups_and_never_runs_ahead_of_the_mode
     state.step, state.version = 3, 3
     state.consumed.update({"b": "train", "c": "filtered"})
     checkpoint.save_ledger(root, model, optimizer, state, keep=2, dropped={"c": "filtered"})
-    on_disk = json.loads((root / "step-00000002" / "state.json").read_text())
-    assert on_disk["step"] == 2 and on_disk["consumed"] == {"a": "train", "c": "filtered"}
+    on_disk = checkpoint.peek_latest(root)  # the ledger lives beside the checkpoint, not in its state.json
+    assert on_disk is not None and on_disk.step == 2 and on_disk.consumed == {"a": "train", "c": "filtered"}
     restored = checkpoint.load_latest(root, torch.nn.Linear(2, 2), torch.optim.AdamW(model.parameters()))
     assert restored is not None and restored.consumed == {"a": "train", "c": "filtered"}
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import math
 import threading
 import time
@@ -37,7 +36,7 @@ from schemas import Heartbeat, Rollout, ScoredGroup, ScoredRollout, Task, Weight
 from schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
 from services.runtime.config import RunSettings
 from services.runtime.lifecycle import Lifecycle
-from services.trainer import service
+from services.trainer import checkpoint, service
 from services.trainer.intake import consumer_spec
 from services.trainer.settings import TrainerSettings
 
@@ -103,11 +102,11 @@ class Settled:
 
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any] | None:
-    root = run_dir / "checkpoints"
-    if not (root / "latest").exists():
+    """The newest checkpoint's step, version and whole ledger, as the restarted trainer would read them."""
+    state = checkpoint.peek_latest(run_dir / "checkpoints")
+    if state is None:
         return None
-    folder = root / json.loads((root / "latest").read_text())["checkpoint"]
-    return json.loads((folder / "state.json").read_text())  # type: ignore[no-any-return]
+    return {"step": state.step, "version": state.version, "consumed": dict(state.consumed)}
 
 
 class _RecordingSettle:
