@@ -42,6 +42,7 @@ from bus.protocol import (
     Puller,
     RequestFailed,
     Retry,
+    ServerUnavailable,
     StreamFull,
     StreamState,
 )
@@ -56,7 +57,7 @@ __all__ = [
     "Bus", "BusClosed", "BusConfigError", "BusError", "ConsumerSpec", "ConsumerState", "Delivery",
     "DigestMismatch", "EmbeddedServer", "JetStreamBus", "MemoryBus", "ObjectInfo", "ObjectNotFound",
     "ObjectStore", "PayloadTooLarge", "Poison", "PublishTimeout", "Puller", "RequestFailed", "Retry",
-    "ServerError", "StreamFull", "StreamState", "SubjectError", "Subjects", "open_bus",
+    "ServerError", "ServerUnavailable", "StreamFull", "StreamState", "SubjectError", "Subjects", "open_bus",
 ]
 
 

@@ -27,20 +27,21 @@ watches resume on the new connection.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 import nats
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 
 from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
-from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
+from bus.protocol import BusClosed, BusError, ConsumerSpec, ServerUnavailable, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
 from bus.retention import Retention
@@ -278,7 +279,8 @@ class Connection:
     async def last_msg(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
         """The newest stored message on ``subject`` (resolved), or None."""
         try:
-            raw = await self.js.get_last_msg(stream, subject, direct=True)
+            with api_errors(f"the last message on {subject!r}"):
+                raw = await self.js.get_last_msg(stream, subject, direct=True)
         except NotFoundError:
             return None
         data, headers, _ = await self.resolve(raw.data or b"", dict(raw.headers or {}))
@@ -328,3 +330,21 @@ class Connection:
             if claim:
                 self.release_claim(claim)
         self.log.warning("dead_lettered", stream=stream, seq=seq, reason="max_deliveries", error=error)
+
+
+UNANSWERED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
+              ServiceUnavailableError, nats.errors.OutboundBufferLimitError)
+
+
+@contextlib.contextmanager
+def api_errors(what: str) -> Iterator[None]:
+    """A JetStream API request the server did not answer (down, restarting) as ``ServerUnavailable``,
+    a closed connection as ``BusClosed``: what services already handle, instead of nats-py's own
+    errors escaping the bus and killing the task that asked."""
+    try:
+        yield
+    except UNANSWERED as exc:
+        raise ServerUnavailable(f"{what}: the NATS server did not answer ({type(exc).__name__}); "
+                                "it is down or restarting, try again later") from exc
+    except nats.errors.ConnectionClosedError:
+        raise BusClosed(f"{what}: the connection is closed") from None

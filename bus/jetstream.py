@@ -30,7 +30,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from bus.connection import Connection
+from bus.connection import Connection, api_errors
 from bus.consume import ConsumeLoop
 from bus.objects import JetStreamObjectStore
 from bus.protocol import (
@@ -214,10 +214,11 @@ class JetStreamBus:
         for kind in STREAM_KINDS:
             name = self.subjects.stream(kind)
             try:
-                info = await js.stream_info(name)
+                with api_errors(f"stream info of {name}"):
+                    info = await js.stream_info(name)
+                    consumers = await js.consumers_info(name)
             except NotFoundError:
                 continue
-            consumers = await js.consumers_info(name)
             out.append(StreamState(
                 name=name, subjects=tuple(info.config.subjects or ()), messages=info.state.messages,
                 bytes=info.state.bytes,

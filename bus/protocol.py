@@ -268,5 +268,10 @@ class DigestMismatch(BusError):
         self.actual = actual
 
 
+class ServerUnavailable(BusError):
+    """The server did not answer a JetStream API request (down, restarting, a leader election);
+    the caller may try again later."""
+
+
 class BusClosed(BusError):
     """The bus was closed (or its connection was lost for good); nothing more can be sent."""

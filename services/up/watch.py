@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bus import BusError
 from schemas import Heartbeat, SchemaError, ScoredGroup, Task
 from services.runtime.config import RunSettings
 from services.up.monitor import Monitor
@@ -33,8 +34,13 @@ FEED_DRY_S = 30.0  # trainer idle this long with no task queued: the task set is
 
 
 async def _backlog(bus: Any, durable: str) -> int | None:
-    """Tasks queued for the generators (None until a generator has created its consumer)."""
-    for s in await bus.streams():
+    """Tasks queued for the generators (None until a generator has created its consumer, or while
+    the server does not answer)."""
+    try:
+        streams = await bus.streams()
+    except BusError:
+        return None
+    for s in streams:
         for c in s.consumers:
             if c.name == durable:
                 return int(c.pending + c.ack_pending)

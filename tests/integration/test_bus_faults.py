@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bus.protocol import ConsumerSpec, Delivery
+from bus.protocol import ConsumerSpec, Delivery, ServerUnavailable
 from bus.server import EmbeddedServer
 from bus.streams import declarations, ensure_streams
 from schemas import Task
@@ -92,6 +92,12 @@ async def test_services_ride_out_a_server_outage_far_longer_than_the_publish_dea
             crashed = {t.get_name(): t.exception() for t in tasks if t.done()}
             assert not crashed, f"the outage ended service tasks: {crashed}"
         assert p.published < p.n, "the publisher should have been waiting for the server"
+        # What services ask the JetStream API meanwhile fails as a bus error they handle, not as
+        # nats-py's own timeout (which killed the controller's queue watch in the chaos test).
+        with pytest.raises(ServerUnavailable, match="did not answer"):
+            await producer.streams()
+        with pytest.raises(ServerUnavailable, match="did not answer"):
+            await producer.last(p.s.metrics("generator", "0"))
 
         await server.astart()  # same port, same store
         assert server.url == url
