@@ -27,21 +27,21 @@ watches resume on the new connection.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import nats
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import NotFoundError, ServiceUnavailableError
+from nats.js.errors import NotFoundError
 
 from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
-from bus.protocol import BusClosed, BusError, ConsumerSpec, ServerUnavailable, StreamFull
+from bus.outage import api_errors
+from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
 from bus.retention import Retention
@@ -124,7 +124,7 @@ class Connection:
         self.objects = JetStreamObjectStore(
             nc, self.js, self.subjects.object_bucket,
             max_bytes=retention.objects_max_bytes if retention is not None else None,
-            full_error=self.full_error)
+            full_error=self.full_error, deadline=publish_deadline, outage=publish_outage)
         self.claims = ClaimCheck(self.objects, spawn=self.spawn, log=self.log)
         self.publisher = Publisher(self.js, self.claims, name=name, max_payload=self.max_payload,
                                    claim_threshold=self.claim_threshold, deadline=publish_deadline,
@@ -331,20 +331,3 @@ class Connection:
                 self.release_claim(claim)
         self.log.warning("dead_lettered", stream=stream, seq=seq, reason="max_deliveries", error=error)
 
-
-UNANSWERED = (nats.errors.TimeoutError, asyncio.TimeoutError, nats.errors.NoRespondersError,
-              ServiceUnavailableError, nats.errors.OutboundBufferLimitError)
-
-
-@contextlib.contextmanager
-def api_errors(what: str) -> Iterator[None]:
-    """A JetStream API request the server did not answer (down, restarting) as ``ServerUnavailable``,
-    a closed connection as ``BusClosed``: what services already handle, instead of nats-py's own
-    errors escaping the bus and killing the task that asked."""
-    try:
-        yield
-    except UNANSWERED as exc:
-        raise ServerUnavailable(f"{what}: the NATS server did not answer ({type(exc).__name__}); "
-                                "it is down or restarting, try again later") from exc
-    except nats.errors.ConnectionClosedError:
-        raise BusClosed(f"{what}: the connection is closed") from None

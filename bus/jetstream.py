@@ -30,9 +30,10 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from bus.connection import Connection, api_errors
+from bus.connection import Connection
 from bus.consume import ConsumeLoop
 from bus.objects import JetStreamObjectStore
+from bus.outage import api_errors
 from bus.protocol import (
     BusClosed,
     BusError,

@@ -18,19 +18,21 @@ import asyncio
 import base64
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
-from nats.errors import TimeoutError as NatsTimeoutError
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
-from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound
+from bus.outage import through_outage
+from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound, ServerUnavailable
 from bus.publish import limit_refusal
 from bus.pull import PullInbox
+
+T = TypeVar("T")
 
 MiB = 1024 * 1024
 CHUNK_SIZE = MiB
@@ -83,7 +85,8 @@ class JetStreamObjectStore:
 
     def __init__(self, nc: Any, js: Any, bucket: str, *, api_prefix: str = "$JS.API",
                  chunk_size: int = CHUNK_SIZE, window_bytes: int = WINDOW_BYTES, max_bytes: int | None = None,
-                 full_error: Callable[[str, str], BusError] | None = None) -> None:
+                 full_error: Callable[[str, str], BusError] | None = None, deadline: float = 30.0,
+                 outage: float = 900.0) -> None:
         self._nc = nc
         self._js = js
         self.bucket = bucket
@@ -95,8 +98,32 @@ class JetStreamObjectStore:
         # new: a put past the cap fails (``StreamFull``) instead of dropping another object's chunks.
         self.max_bytes = max_bytes
         self._full_error = full_error
+        # Every operation is idempotent and rides out a server outage like a publish does.
+        self.deadline = deadline
+        self.outage = outage
         self._ready = False
         self._lock = asyncio.Lock()
+
+    # --- the operations (each idempotent, retried across an outage) -------------------------
+    async def _retrying(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        return await through_outage(op, f"{what} (bucket {self.bucket!r})", connected=lambda: bool(self._nc.is_connected),
+                                    deadline=self.deadline, outage=self.outage)
+
+    async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        return await self._retrying(lambda: self._put(name, data), f"object put {name!r}")
+
+    async def get(self, name: str) -> bytes:
+        return await self._retrying(lambda: self._get(name), f"object get {name!r}")
+
+    async def info(self, name: str) -> ObjectInfo:
+        return await self._retrying(lambda: self._info_of(name), f"object info {name!r}")
+
+    async def delete(self, name: str) -> None:
+        """Remove ``name``; deleting a missing object is a no-op."""
+        await self._retrying(lambda: self._delete(name), f"object delete {name!r}")
+
+    async def list(self) -> list[ObjectInfo]:
+        return await self._retrying(self._list, "object list")
 
     async def _ensure(self) -> None:
         if self._ready:
@@ -139,7 +166,7 @@ class JetStreamObjectStore:
             raise BusError(f"object {name!r} in bucket {self.bucket!r} has unreadable metadata: {exc}") from None
         return None if info.deleted else info
 
-    async def info(self, name: str) -> ObjectInfo:
+    async def _info_of(self, name: str) -> ObjectInfo:
         await self._ensure()
         info = await self._info(name)
         if info is None:
@@ -165,7 +192,7 @@ class JetStreamObjectStore:
             raise self._full_error(self.stream, f"maximum bytes exceeded: putting {name!r} ({size} bytes) on the "
                                                 f"{info.state.bytes} stored would pass its max_bytes {cap}")
 
-    async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+    async def _put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
         await self._ensure()
         view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
         size = len(view)
@@ -187,13 +214,13 @@ class JetStreamObjectStore:
                     done, pending = await asyncio.wait(pending, timeout=_STALL_S,
                                                        return_when=asyncio.FIRST_COMPLETED)
                     if not done:
-                        raise BusError(f"object put {name!r} stalled: no chunk acknowledged for {_STALL_S:.0f}s")
+                        raise ServerUnavailable(f"object put {name!r} stalled: no chunk acknowledged for {_STALL_S:.0f}s")
                     for f in done:
                         f.result()
             if pending:
                 done, still = await asyncio.wait(pending, timeout=_STALL_S)
                 if still:
-                    raise BusError(f"object put {name!r} stalled: {len(still)} chunks unacknowledged")
+                    raise ServerUnavailable(f"object put {name!r} stalled: {len(still)} chunks unacknowledged")
                 for f in done:
                     f.result()
             digest = await hasher.hexdigest()
@@ -213,15 +240,15 @@ class JetStreamObjectStore:
                 pass
             if isinstance(exc, APIError) and self._full_error is not None and (why := limit_refusal(exc)):
                 raise self._full_error(self.stream, why) from None
-            if isinstance(exc, (APIError, NatsTimeoutError, asyncio.TimeoutError)):
+            if isinstance(exc, APIError):
                 raise BusError(f"object put {name!r} to bucket {self.bucket!r} failed: {exc!r}") from exc
-            raise
+            raise  # timeouts: ``through_outage`` turns them into ServerUnavailable and tries again
         if old is not None and old.nuid != nuid:
             await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, old.nuid))
         return ObjectInfo(name=name, size=size, sha256=digest)
 
     # --- get ---------------------------------------------------------------------------
-    async def get(self, name: str) -> bytes:
+    async def _get(self, name: str) -> bytes:
         await self._ensure()
         info = await self._info(name)
         if info is None:
@@ -266,7 +293,7 @@ class JetStreamObjectStore:
                 if got >= total:
                     break
                 if loop.time() - last_progress > _STALL_S:
-                    raise BusError(f"object get {name!r} stalled at chunk {got}/{total} for {_STALL_S:.0f}s")
+                    raise ServerUnavailable(f"object get {name!r} stalled at chunk {got}/{total} for {_STALL_S:.0f}s")
                 if not inbox.buffer:
                     await inbox.wait(1.0)
         finally:
@@ -284,7 +311,7 @@ class JetStreamObjectStore:
         return data
 
     # --- delete / list -----------------------------------------------------------------
-    async def delete(self, name: str) -> None:
+    async def _delete(self, name: str) -> None:
         """Remove ``name``; deleting a missing object is a no-op (deletes are retried)."""
         await self._ensure()
         info = await self._info(name)
@@ -298,7 +325,7 @@ class JetStreamObjectStore:
         finally:
             await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, nuid))
 
-    async def list(self) -> list[ObjectInfo]:
+    async def _list(self) -> list[ObjectInfo]:
         await self._ensure()
         si = await self._js.stream_info(self.stream, subjects_filter=f"$O.{self.bucket}.M.>")
         out = []

@@ -87,6 +87,10 @@ async def test_services_ride_out_a_server_outage_far_longer_than_the_publish_dea
         await eventually(lambda: p.published >= 5 and p.watched == [b"before"], timeout=20)
 
         await server.astop()
+        # An object put (a weight upload) started while the server is away waits for it.
+        blob = bytes(range(256)) * 12_000  # 3 MB: several chunks
+        put = asyncio.create_task(producer.objects.put("weights/outage", blob), name="object-put")
+        tasks.append(put)
         for _ in range(int(OUTAGE_S / 0.5)):  # several publish deadlines with the server away
             await asyncio.sleep(0.5)
             crashed = {t.get_name(): t.exception() for t in tasks if t.done()}
@@ -107,6 +111,9 @@ async def test_services_ride_out_a_server_outage_far_longer_than_the_publish_dea
         await eventually(lambda: p.watched[-1:] == [b"after"], timeout=60)
         await asyncio.sleep(1.0)  # room for a duplicate to show up
 
+        tasks.remove(put)
+        assert (await asyncio.wait_for(put, 60)).size == len(blob)
+        assert await consumer.objects.get("weights/outage") == blob
         assert all(n == 1 for n in p.handled.values()), f"handled twice: {p.handled}"
         assert all(n == 1 for n in p.pulled.values()), f"pulled twice: {p.pulled}"
         assert p.watched == [b"before", b"after"]
