@@ -50,7 +50,10 @@ def eager_attention(model: torch.nn.Module) -> Iterator[None]:
         model.set_attn_implementation(previous)  # type: ignore[operator]
 
 
-def _check(sequences: Sequence[PromptCompletion], max_positions: int | None, vocab_size: int | None) -> None:
+def check_sequences(sequences: Sequence[PromptCompletion], max_positions: int | None, vocab_size: int | None) -> None:
+    """Raise `LogprobInputError` for the first pair the model cannot score: a token id outside
+    ``[0, vocab_size)``, an empty prompt, or more than ``max_positions`` tokens.  Every scoring
+    function runs it first; a caller may run it to find which of its inputs a failure came from."""
     for i, (prompt, completion) in enumerate(sequences):
         bad = [t for t in (*prompt, *completion) if t < 0 or (vocab_size is not None and t >= vocab_size)]
         if bad:
@@ -85,7 +88,7 @@ def completion_logprobs(
     True. The model's train/eval mode is the caller's choice (the tiny Qwen2 has no dropout).
     """
     config = getattr(model, "config", None)
-    _check(sequences, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
+    check_sequences(sequences, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
     if not sequences:
         return []
     with torch.set_grad_enabled(grad):
@@ -159,7 +162,7 @@ def shared_prefix_logprobs(
     """
     config = getattr(model, "config", None)
     flat = [(p, c) for p, cs in groups for c in cs]
-    _check(flat, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
+    check_sequences(flat, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
     if not flat:
         return [[] for _ in groups]
     device = _device(model)

@@ -8,7 +8,11 @@ its reward still counts in its group's baseline), *invalid* on a verifier error 
 environment failure (not trained on, not in the baseline).  Per group: *duplicate* when its id
 was already consumed (a redelivery after a crash), *filtered* when the counted rewards are all
 equal (no learning signal: dynamic sampling), *stale* when no rollout is fresh enough, *invalid*
-when no rollout is valid.  Every dropped group is recorded with its reason; nothing vanishes.
+when no rollout is valid, or when the group cannot be trained on at all (``judge.judge_group``: a
+reward beyond the bound, a token outside the vocabulary, more tokens than the model's context; or
+a step refused it, ``put_back``).  Such a *refused* group carries its ``refusal``: it is
+dead-lettered with it (terminated, not acked) once its ledger entry is durable, and so is every
+redelivered copy of it.  Every dropped group is recorded with its reason; nothing vanishes.
 A kept group can still go stale while it waits for a batch (``requeue_stale``): its outcome
 moves from *train* to *stale*, and it is also counted as *stale_held*.  Outcomes are tallied per
 pool and per generator as well (``Outcomes``), for the controller's balance accounting.
@@ -23,6 +27,7 @@ from typing import Any
 
 from schemas import ScoredGroup
 from schemas.metric_keys import STALE_HELD
+from services.trainer.judge import InputLimits, judge_group
 from services.trainer.versions import Lineage
 
 
@@ -34,6 +39,7 @@ class GroupDecision:
     baseline_mask: list[bool]  # rollouts whose reward counts in the baseline
     staleness: list[int]
     reason: str = "train"  # train | filtered | stale | invalid | duplicate
+    refusal: str = ""  # why it can never be trained on: settled by a term with this reason, not an ack
 
 
 @dataclass
@@ -65,15 +71,21 @@ class Assembler:
     rollouts_stale: int = 0
     rollouts_invalid: int = 0
     lineage: Lineage = field(default_factory=Lineage)  # how the versions descend (forks of resumed trainers)
+    limits: InputLimits = field(default_factory=InputLimits)  # what the trained model can score
+    # Groups a step refused (id -> why), which the judge would let through: their copies are refused too.
+    refused_by_step: dict[str, str] = field(default_factory=dict)
 
     def offer(self, group: ScoredGroup, handle: Any, *, version: int, consumed: Container[str]) -> GroupDecision:
         gid = group.task.task_id
+        refusal = self.refused_by_step.get(gid) or judge_group(group, self.limits)
         staleness = [self.lineage.staleness(version, s.rollout) for s in group.scored]
-        valid = [s.valid for s in group.scored]
+        valid = [s.valid and not refusal for s in group.scored]
         fresh = [st <= self.max_staleness for st in staleness]
         train = [v and f for v, f in zip(valid, fresh, strict=True)]
-        d = GroupDecision(group, handle, train, list(valid), staleness)
+        d = GroupDecision(group, handle, train, list(valid), staleness, refusal=refusal)
         rewards = {s.reward for s, b in zip(group.scored, valid, strict=True) if b}
+        # A copy of a consumed or held group is a duplicate even when refused: it is the same
+        # message, settled (with its refusal, if any) only once the original's entry is durable.
         if gid in consumed or any(k.group.task.task_id == gid for k in self.kept):
             d.reason = "duplicate"
         elif not any(valid):
@@ -102,6 +114,33 @@ class Assembler:
         batch, self.kept = self.kept[: self.batch_groups], self.kept[self.batch_groups:]
         dropped, self.dropped = self.dropped, []
         return batch, dropped
+
+    def put_back(self, batch: list[GroupDecision], dropped: list[GroupDecision], refused: dict[str, str]) -> None:
+        """A step refused its input and made no version: the ``refused`` groups of ``batch`` (id ->
+        why) become *invalid*, the others wait for the next batch, and ``dropped`` (taken with the
+        batch) is held again to be recorded with the next step."""
+        back: list[GroupDecision] = []
+        out: list[GroupDecision] = []
+        for d in batch:
+            why = refused.get(d.group.task.task_id)
+            if why is None:
+                back.append(d)
+                continue
+            d.reason, d.refusal = "invalid", why
+            d.train_mask = [False] * len(d.train_mask)
+            d.baseline_mask = [False] * len(d.baseline_mask)
+            self.counts["train"] -= 1
+            self.counts["invalid"] += 1
+            self.outcomes.count(d.group, "train", -1)
+            self.outcomes.count(d.group, "invalid")
+            out.append(d)
+        self.refused_by_step.update(refused)
+        held = [*dropped, *self.dropped]
+        for d in held:  # copies already held are the same messages: dead-lettered alike
+            if d.reason == "duplicate" and d.group.task.task_id in refused:
+                d.refusal = refused[d.group.task.task_id]
+        self.kept = back + self.kept
+        self.dropped = [*out, *held]
 
     def requeue_stale(self, version: int) -> list[GroupDecision]:
         """After a version bump, kept groups may have become stale: re-judge them."""

@@ -7,6 +7,9 @@ the stream it never has to deliver the group again:
   and the ledger of consumed group ids, written together, ``checkpoint.save``);
 - a dropped group (filtered, invalid, stale): its ledger entry, in a checkpoint or in a
   ledger-only save (``checkpoint.save_ledger``) when many are dropped while no batch fills;
+- a refused group (invalid because it can never be trained on, ``GroupDecision.refusal``) is
+  settled at the same point, but terminated and dead-lettered with its reason instead of acked, so
+  an operator sees why; a crash before the term redelivers it, and the copy is refused again;
 - a duplicate (a redelivered copy of a group already consumed or waiting in a batch): acking it
   acks its original, the same message, so it waits until the original's id is in a checkpoint.
 
@@ -24,10 +27,22 @@ from pathlib import Path
 
 import torch
 
+from observability.logging import get_logger
 from services.trainer import checkpoint
 from services.trainer.batch import GroupDecision, ledger_entries, ready_to_ack
 from services.trainer.counters import Counters
 from services.trainer.versions import VersionBook
+
+log = get_logger()
+
+
+async def settle(d: GroupDecision) -> None:
+    """Settle a group its checkpoint covers: ack, or dead-letter a refused one with its reason."""
+    if d.refusal:
+        log.warning("group_dead_lettered", task_id=d.group.task.task_id, pool=d.group.task.pool, reason=d.refusal)
+        await d.handle.term(d.refusal)
+    else:
+        await d.handle.ack()
 
 
 class Committer:
@@ -98,7 +113,7 @@ class Committer:
         spent = time.perf_counter() - t0
         done, self.unacked = ready_to_ack(self.unacked, self.state.consumed)
         for d in done:
-            await d.handle.ack()
+            await settle(d)
         return spent
 
     async def commit_dropped(self, dropped: list[GroupDecision]) -> None:
@@ -115,4 +130,4 @@ class Committer:
         now, later = ready_to_ack(dropped, committed=())
         self.unacked.extend(later)
         for d in now:
-            await d.handle.ack()
+            await settle(d)

@@ -1,8 +1,10 @@
 """Intake: pull scored groups from the trainer's durable consumer and judge each for the next batch.
 
 Every group pulled is offered to the ``Assembler`` (batch.py), which keeps it for a batch or drops
-it with a reason; the deliveries stay held (strongly, in the Assembler's lists and then the
-Committer's) until the Committer settles them, which is what keeps the bus heartbeating them.
+it with a reason (a group that can never be trained on, judge.py, is refused: dropped as invalid
+and dead-lettered once its ledger entry is durable); the deliveries stay held (strongly, in the
+Assembler's lists and then the Committer's) until the Committer settles them, which is what keeps
+the bus heartbeating them.
 While a step runs, intake goes on pulling for the next batch, so decoding and judging groups
 overlaps the step instead of following it.
 """
@@ -102,6 +104,9 @@ class Intake:
             decision = asm.offer(d.msg, d, version=self._committer.version, consumed=consumed)
             if decision.reason not in ("train", "duplicate"):
                 dropped += 1
+            if decision.refusal and decision.reason != "duplicate":
+                log.warning("group_refused", task_id=d.msg.task.task_id, pool=d.msg.task.pool, subject=d.subject,
+                            reason=decision.refusal)
         if dropped:
             # Frees admission budget now (the ack still waits for a checkpoint): the controller
             # re-admits dropped groups only once it hears of them, so tell it now rather than at

@@ -19,14 +19,17 @@ import torch
 from services.policy.load import load_policy
 from services.runtime.config import RunSettings
 from services.trainer import distributed
+from services.trainer.judge import InputLimits
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, make_optimizer, train_step
 
 
 class TrainedPolicy:
     def __init__(self, model: Any, optimizer: Any, step: Callable[[list[PackedSeq]], dict[str, float]],
-                 sharded: distributed.ShardedPolicy | None) -> None:
+                 sharded: distributed.ShardedPolicy | None, limits: InputLimits | None = None) -> None:
         self.model: torch.nn.Module = model  # or the sharded policy's view of it
+        # What the model can score, read from the model itself (a sharded view has no config).
+        self.limits = limits if limits is not None else InputLimits.of_model(model)
         self.optimizer: torch.optim.Optimizer = optimizer  # or the sharded policy's view of it
         self._step = step
         self._sharded = sharded
@@ -38,15 +41,16 @@ class TrainedPolicy:
         model, _ = await asyncio.to_thread(load_policy, run_cfg.model_path, dtype=cfg.dtype,
                                            attn="eager" if cfg.deterministic else "sdpa")
         ref_model = copy.deepcopy(model).eval() if cfg.objective.kl_coef > 0 else None
+        limits = InputLimits.of_model(model)
         if distributed.backend_for(cfg.distributed) is None:
             optimizer = make_optimizer(model, cfg)
             return cls(model, optimizer, functools.partial(train_step, model, optimizer, cfg=cfg, ref_model=ref_model),
-                       None)
+                       None, limits)
         sharded = await asyncio.to_thread(distributed.ShardedPolicy.join, model, cfg, ref_model)
         if sharded.rank > 0:
             await asyncio.to_thread(sharded.follow)
             return None
-        return cls(sharded.model_view, sharded.optimizer_view, sharded.train_step, sharded)
+        return cls(sharded.model_view, sharded.optimizer_view, sharded.train_step, sharded, limits)
 
     def train_step(self, seqs: list[PackedSeq]) -> dict[str, float]:
         """One optimiser step on a packed batch; blocks (run it in a worker thread).  Metrics."""

@@ -13,7 +13,10 @@ unblocked by: generators (via reward) producing within the controller's admissio
 A scored group passes through, in order:
   Intake (intake.py)        pulls it and offers it to the Assembler (batch.py): kept for a batch,
                             or dropped with a reason; pulls on while a step runs (prefetch)
-  TrainerLoop (here)        takes a full batch, packs it, runs one step (TrainedPolicy, policy.py)
+  TrainerLoop (here)        takes a full batch, packs it, runs one step (TrainedPolicy, policy.py);
+                            a step that refuses its input (LogprobInputError: what the intake
+                            judge, judge.py, let through) refuses the groups at fault, makes no
+                            version, and gives the others back for the next batch
   Uploader (upload.py)      snapshots the new version's weights, uploads them in the background,
                             one at a time, in version order
   Committer (commit.py)     records the group in the ledger; every ``checkpoint_every`` steps
@@ -40,6 +43,7 @@ from bus.protocol import Bus
 from bus.subjects import Subjects
 from observability.logging import get_logger
 from schemas import SchemaError, ScoredGroup, WeightManifest
+from services.policy.logprobs import LogprobInputError
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
@@ -51,7 +55,7 @@ from services.trainer.counters import Counters
 from services.trainer.intake import Intake, consumer_spec
 from services.trainer.policy import TrainedPolicy
 from services.trainer.settings import TrainerSettings
-from services.trainer.step import PackedSeq, pack
+from services.trainer.step import PackedSeq, pack, step_refusals
 from services.trainer.telemetry import Telemetry
 from services.trainer.upload import Uploader
 from services.trainer.versions import VersionBook
@@ -116,7 +120,7 @@ class TrainerLoop:
         uploader = Uploader(bus, subjects, make_transport(cfg.transport, bus=bus, root=run_dir), policy.model,
                             model_name=run_cfg.model_name, transport_kind=cfg.transport, book=book)
         assembler = Assembler(batch_groups=run_cfg.batch_groups, max_staleness=run_cfg.max_staleness,
-                              lineage=book.lineage)
+                              lineage=book.lineage, limits=policy.limits)
         telemetry = Telemetry(Beat(bus, subjects, "trainer", cfg.instance, period=1.0), counters, assembler, committer)
         resumed = committer.resume(await highest_version_used(bus, subjects, run_cfg.model_name, book))
         telemetry.set_version(committer.version)
@@ -168,7 +172,11 @@ class TrainerLoop:
         batch, dropped = self.assembler.take()
         t_busy = time.perf_counter()
         seqs, batch_stats = pack(batch, self.cfg)
-        metrics = await self._train(seqs, batch)
+        try:
+            metrics = await self._train(seqs, batch)
+        except LogprobInputError as exc:
+            await self._refuse_step(batch, dropped, exc)
+            return
         self.committer.record_step(batch, dropped)
         self.counters.groups_trained_total += len(batch)
         self.counters.rollouts_stale_total = self.assembler.rollouts_stale
@@ -186,6 +194,24 @@ class TrainerLoop:
         log.info("step", step=self.committer.step, version=self.committer.version,
                  reward=round(batch_stats["batch/reward_mean"], 3), k3=round(metrics.get("mismatch/k3_kl", 0.0), 6),
                  step_s=round(metrics["train/step_s"], 3))
+
+    async def _refuse_step(self, batch: list[GroupDecision], dropped: list[GroupDecision],
+                           exc: LogprobInputError) -> None:
+        """The step refused its input and changed nothing (no optimiser step, no version): refuse
+        the groups at fault like any group that cannot be trained on (ledger ``invalid``, dead-
+        lettered with the reason once a checkpoint covers it) and keep training the others."""
+        refused = step_refusals(batch, self.policy.limits)
+        if not refused:
+            # The check names no single group: refusing the whole batch, each with the step's
+            # reason, beats dying on it and again on every redelivery.
+            refused = {d.group.task.task_id: f"the training step refused a batch holding this group: {exc}"
+                       for d in batch}
+        log.error("step_refused_input", step=self.committer.step + 1, refused=sorted(refused),
+                  given_back=len(batch) - len(refused), error=str(exc))
+        self.assembler.put_back(batch, dropped, refused)
+        self.counters.groups_dropped_total += len(refused)
+        self.telemetry.publish()
+        await self.telemetry.send()
 
     async def _train(self, seqs: list[PackedSeq], batch: list[GroupDecision]) -> dict[str, float]:
         """The step in a worker thread, while intake takes in what arrives for the next batch."""

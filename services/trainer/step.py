@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
+from services.policy.logprobs import LogprobInputError, check_sequences, completion_logprobs, shared_prefix_logprobs
 from services.policy.sampling import SamplingParams
 from services.trainer.advantages import group_advantages
 from services.trainer.batch import GroupDecision
+from services.trainer.judge import InputLimits
 from services.trainer.mismatch import mismatch_metrics
 from services.trainer.objective import policy_loss
 from services.trainer.settings import TrainerSettings
@@ -175,10 +176,35 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: l
     model.train()
     optimizer.zero_grad(set_to_none=True)
     n_tokens_total, n_seqs_total = batch_counts(seqs)
-    totals, trainer_lps = accumulate(model, seqs, cfg, ref_model, n_tokens_total=n_tokens_total,
-                                     n_seqs_total=n_seqs_total)
+    try:
+        totals, trainer_lps = accumulate(model, seqs, cfg, ref_model, n_tokens_total=n_tokens_total,
+                                         n_seqs_total=n_seqs_total)
+    except LogprobInputError:
+        # The caller refuses the batch's bad groups and goes on: leave no half-accumulated
+        # gradient behind, and the model as a step leaves it.
+        optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        raise
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
     if math.isfinite(grad_norm):
         optimizer.step()
     model.eval()
     return step_metrics(seqs, totals, torch.cat(trainer_lps), grad_norm, cfg, t0)
+
+
+def step_refusals(batch: list[GroupDecision], limits: InputLimits) -> dict[str, str]:
+    """After a step raised ``LogprobInputError``: which groups of ``batch`` it came from (id -> why),
+    found by the very check the step runs, one trained rollout at a time."""
+    refused: dict[str, str] = {}
+    for d in batch:
+        for s, trained in zip(d.group.scored, d.train_mask, strict=True):
+            if not trained:
+                continue
+            r = s.rollout
+            ids = np.asarray(r.token_ids).tolist()
+            try:
+                check_sequences([(ids[: r.prompt_len], ids[r.prompt_len:])], limits.max_positions, limits.vocab_size)
+            except LogprobInputError as exc:
+                refused[d.group.task.task_id] = f"the training step refused rollout {r.rollout_id!r}: {exc}"
+                break
+    return refused

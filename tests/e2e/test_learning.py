@@ -39,6 +39,8 @@ eval_every = 20
     first = evals[0]["heldout/accuracy"]
     last = sum(e["heldout/accuracy"] for e in evals[-2:]) / 2
     record_stat("learning", "heldout_gain", last - first, threshold=">= 0.15")
+    # Spread (bench/test_spread.py, 2 runs beside a CPU burner and other tests, load average 5-6 on
+    # 2 cores, 2026-12-04): held-out gain 0.230-0.245, batch reward gain 0.159-0.168.
     assert last >= first + 0.15, f"held-out accuracy {first:.3f} -> {last:.3f}: no clear learning"
     early = sum(r["batch/reward_mean"] for r in train[:10]) / 10
     late = sum(r["batch/reward_mean"] for r in train[-10:]) / 10

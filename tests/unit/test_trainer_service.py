@@ -94,7 +94,7 @@ def filtered(gid: str, **kw: Any) -> ScoredGroup:
 
 @dataclass
 class Settled:
-    how: str  # ack | nak
+    how: str  # ack | nak | term
     gid: str
     delivery: int  # 1 = first delivery, 2 = first redelivery …
     on_disk: dict[str, str] | None  # the newest checkpoint's ledger when it happened
@@ -128,7 +128,9 @@ class _RecordingSettle:
         await self.inner.nak(d, delay)
 
     async def term(self, d: Delivery[Any], reason: str) -> None:
-        await self.inner.term(d, reason)
+        self._record("term", d)
+        if not self.bus.lose_acks:
+            await self.inner.term(d, reason)
 
     async def in_progress(self, d: Delivery[Any] | None = None) -> None:
         await self.inner.in_progress(d)
@@ -155,7 +157,7 @@ class _RecordingPuller:
 
 class RecordingBus(MemoryBus):
     """The in-memory bus, recording what the trainer pulls and settles.  ``lose_acks`` drops the
-    acks on their way (a crash right after the checkpoint, before the acks reached the server)."""
+    acks (and terms) on their way (a crash right after the checkpoint, before the acks reached the server)."""
 
     def __init__(self, run_dir: Path) -> None:
         super().__init__(RUN)
