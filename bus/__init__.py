@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from bus.connect import open_bus
 from bus.protocol import (
+    BadObjectName,
     Bus,
     BusClosed,
     BusConfigError,
@@ -54,7 +55,7 @@ if TYPE_CHECKING:
     from bus.server import EmbeddedServer, ServerError
 
 __all__ = [
-    "Bus", "BusClosed", "BusConfigError", "BusError", "ConsumerSpec", "ConsumerState", "Delivery",
+    "BadObjectName", "Bus", "BusClosed", "BusConfigError", "BusError", "ConsumerSpec", "ConsumerState", "Delivery",
     "DigestMismatch", "EmbeddedServer", "JetStreamBus", "MemoryBus", "ObjectInfo", "ObjectNotFound",
     "ObjectStore", "PayloadTooLarge", "Poison", "PublishTimeout", "Puller", "RequestFailed", "Retry",
     "ServerError", "ServerUnavailable", "StreamFull", "StreamState", "SubjectError", "Subjects", "open_bus",

@@ -113,6 +113,9 @@ class JetStreamSettle:
             return
         await self.raw.in_progress()
 
+    def note_error(self, d: Delivery[Any], error: str) -> None:
+        self.conn.note_error(self.stream, d.stream_seq, error)
+
 
 class Durable:
     """A durable of one connection: declared on ``open``, read through one ``PullInbox``."""

@@ -69,6 +69,7 @@ from bus.protocol import (
     ObjectNotFound,
     RequestFailed,
     StreamState,
+    check_object_name,
 )
 from bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
 from bus.subjects import STREAM_KINDS, Subjects
@@ -134,6 +135,9 @@ class _MemSettle:
     async def in_progress(self, d: Delivery[Any] | None = None) -> None:
         return None  # no ack_wait here: nothing to reset
 
+    def note_error(self, d: Delivery[Any], error: str) -> None:
+        self.durable.note_error(d, error)
+
 
 class _MemPuller:
     def __init__(self, bus: MemoryBus, spec: ConsumerSpec, decode: Callable[[bytes], Any]) -> None:
@@ -172,6 +176,7 @@ class _NoopSettle:
     async def nak(self, d: Any, delay: float = 0.0) -> None: ...
     async def term(self, d: Any, reason: str, *, error: str = "terminated") -> None: ...
     async def in_progress(self, d: Any) -> None: ...
+    def note_error(self, d: Any, error: str) -> None: ...
 
 
 class _MemWatch:
@@ -237,12 +242,14 @@ class MemoryObjectStore:
         self._objects: dict[str, tuple[bytes, str]] = {}
 
     async def put(self, name: str, data: bytes | memoryview) -> ObjectInfo:
+        check_object_name(name)  # the names the real store refuses, refused here too
         b = bytes(data)
         digest = hashlib.sha256(b).hexdigest()
         self._objects[name] = (b, digest)
         return ObjectInfo(name=name, size=len(b), sha256=digest)
 
     async def get(self, name: str) -> bytes:
+        check_object_name(name)
         if name not in self._objects:
             raise ObjectNotFound(name)
         b, expected = self._objects[name]
@@ -252,6 +259,7 @@ class MemoryObjectStore:
         return b
 
     async def delete(self, name: str) -> None:
+        check_object_name(name)
         self._objects.pop(name, None)
 
     async def list(self) -> list[ObjectInfo]:

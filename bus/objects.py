@@ -9,7 +9,9 @@ at a time, and ``get`` reads through an ordered push consumer that answers flow 
 every 0.25 s (about 66 MB/s here).  We publish 1 MiB chunks pipelined and read them with an
 ephemeral ack-none pull consumer keeping two byte-capped requests in flight, hashing on a worker
 thread while the next chunks arrive.  The digest is verified on every read: a mismatch raises
-``DigestMismatch`` naming the object and both digests, never returns the bytes.
+``DigestMismatch`` naming the object and both digests, never returns the bytes.  A name the store
+cannot address (``bus.protocol.check_object_name``) raises ``BadObjectName`` before any request: an empty one had no
+responders, and one past the control-line limit made the server drop the connection for good.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
 from bus.outage import through_outage
-from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound, ServerUnavailable
+from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound, ServerUnavailable, check_object_name
 from bus.publish import limit_refusal
 from bus.pull import PullInbox
 
@@ -40,8 +42,6 @@ CHUNK_SIZE = MiB
 WINDOW_BYTES = 32 * MiB
 _DIGEST_PREFIX = "SHA-256="
 _STALL_S = 15.0
-
-
 def _meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
@@ -110,16 +110,20 @@ class JetStreamObjectStore:
                                     deadline=self.deadline, outage=self.outage)
 
     async def put(self, name: str, data: bytes | bytearray | memoryview) -> ObjectInfo:
+        check_object_name(name)
         return await self._retrying(lambda: self._put(name, data), f"object put {name!r}")
 
     async def get(self, name: str) -> bytes:
+        check_object_name(name)
         return await self._retrying(lambda: self._get(name), f"object get {name!r}")
 
     async def info(self, name: str) -> ObjectInfo:
+        check_object_name(name)
         return await self._retrying(lambda: self._info_of(name), f"object info {name!r}")
 
     async def delete(self, name: str) -> None:
         """Remove ``name``; deleting a missing object is a no-op."""
+        check_object_name(name)
         await self._retrying(lambda: self._delete(name), f"object delete {name!r}")
 
     async def list(self) -> list[ObjectInfo]:

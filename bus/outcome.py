@@ -12,7 +12,8 @@ everything after that is here, written once:
   trace context, then
 
   - handler returns -> ``ack`` (unless the handler settled the delivery itself);
-  - ``Retry(reason, delay)`` -> ``nak(delay)``; the reason is remembered as the last error;
+  - ``Retry(reason, delay)`` -> ``nak(delay)``; the reason is remembered as the last error (a
+    handler that naks by itself passes its error: ``Delivery.nak(delay, error=...)``);
   - ``Poison(reason)`` -> dead letter with the reason, then ``term``;
   - any other exception -> logged, ``nak`` with the bus's exponential backoff, and remembered,
     so the dead letter written when ``max_deliver`` is exhausted says what went wrong;
@@ -50,6 +51,10 @@ class Settle(Protocol):
         ...
 
     async def in_progress(self, d: Delivery[Any]) -> None: ...
+
+    def note_error(self, d: Delivery[Any], error: str) -> None:
+        """Remember ``error`` as the last one of ``d``'s message, for its max-deliveries dead letter."""
+        ...
 
 
 class Log(Protocol):

@@ -104,7 +104,12 @@ class Delivery(Generic[T]):
     async def ack(self) -> None:
         await self._settle.ack(self)
 
-    async def nak(self, delay: float = 0.0) -> None:
+    async def nak(self, delay: float = 0.0, *, error: str = "") -> None:
+        """Redeliver after ``delay`` seconds.  ``error`` says what failed this time: if the message
+        then runs out of ``max_deliver``, its dead letter names the last such error instead of only
+        how often it was delivered."""
+        if error and not self._settle.settled:
+            self._settle.note_error(self, error)
         await self._settle.nak(self, delay)
 
     async def term(self, reason: str) -> None:
@@ -253,6 +258,43 @@ class ObjectNotFound(BusError):
         super().__init__(f"object {name!r} not found{where}; was it written (or already deleted)?")
         self.name = name
         self.bucket = bucket
+
+
+class BadObjectName(BusError):
+    """An object name the store cannot address (empty, too long for a request's control line, not
+    text): refused before any request, since a name past the server's control-line limit would make
+    it close the connection for good.  Nothing was read or written."""
+
+    def __init__(self, name: str, why: str) -> None:
+        shown = name if len(name) <= 80 else f"{name[:60]}…({len(name)} characters)"
+        super().__init__(f"object name {shown!r} {why}; use a non-empty name of printable characters, at most "
+                         f"1024 bytes in UTF-8 (e.g. 'weights/<model>/v<N>/model.safetensors')")
+        self.name = name
+        self.why = why
+
+
+# A name travels base64-encoded in the metadata subject (4/3 of its bytes) and in error texts; the
+# server closes the connection for good on a control line over 4 KiB (a 3,000-character name did
+# that), so names are bounded well below it.
+MAX_OBJECT_NAME_BYTES = 1024
+
+
+def check_object_name(name: object) -> str:
+    """``name`` if an object store can address it; else ``BadObjectName``.  Both stores check it
+    before anything else (``bus.objects`` before any request), so they refuse the same names."""
+    if not isinstance(name, str):
+        raise BadObjectName(repr(name), f"is a {type(name).__name__}, not a string")
+    if not name:
+        raise BadObjectName(name, "is empty")
+    try:
+        encoded = name.encode()
+    except UnicodeEncodeError as exc:
+        raise BadObjectName(name, f"is not valid text ({exc.reason} at character {exc.start})") from None
+    if len(encoded) > MAX_OBJECT_NAME_BYTES:
+        raise BadObjectName(name, f"is {len(encoded)} bytes in UTF-8, over the limit of {MAX_OBJECT_NAME_BYTES}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        raise BadObjectName(name, "holds a control character")
+    return name
 
 
 class DigestMismatch(BusError):

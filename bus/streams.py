@@ -5,7 +5,7 @@
 | TASKS      | ``rl.<run>.tasks.>``      | work queue | msgs + bytes, discard new     | one durable per pool, disjoint filters |
 | ROLLOUTS   | ``rl.<run>.rollouts.>``   | work queue | msgs + bytes, discard new     | generator -> reward                    |
 | SCORED     | ``rl.<run>.scored.>``     | limits     | msgs + bytes, discard old     | kept for replay; trainer acks after commit |
-| WEIGHTS    | ``rl.<run>.weights.>``    | limits     | last N per subject            | manifests and uploads                  |
+| WEIGHTS    | ``rl.<run>.weights.>``    | limits     | last 1024 per subject         | manifests and uploads                  |
 | CONTROL    | ``rl.<run>.control.>``    | limits     | last N per subject            | the controller's audit trail           |
 | METRICS    | ``rl.<run>.metrics.>``    | limits     | short max-age                 | heartbeats                             |
 | DEAD       | ``rl.<run>.dead.>``       | limits     | msgs + bytes, discard new     | bad messages with their reason         |
@@ -40,7 +40,11 @@ from bus.subjects import STREAM_KINDS, Subjects
 
 DUPLICATE_WINDOW_S = 600.0
 METRICS_MAX_AGE_S = 600.0
-WEIGHTS_PER_SUBJECT = 8
+# Messages kept per WEIGHTS subject.  The uploads subject shares it: an upload beyond it is
+# discarded whether or not weight-broadcast has read it, so it must be far above any burst (a
+# fuzz run lost a valid upload behind 8 forged ones).  Manifests are small (the bytes live in the
+# object store), so a thousand per subject costs little.
+WEIGHTS_PER_SUBJECT = 1024
 ADVISORIES_MAX_MSGS = 100_000
 
 

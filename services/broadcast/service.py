@@ -8,21 +8,36 @@ produces:  rl.<run>.weights.<model>         (WeightManifest state=published)  ms
            rl.<run>.dead.weights|control     an upload that fails verification; an evaluate record that does
                                              not decode or holds another decision (with the reason)
 waits for: the trainer's uploads
-A shard whose sha256 does not match is refused: the upload goes to DEAD with the reason and the
-previous version stays current.  Versions beyond ``keep_versions`` are deleted once no generator
-heartbeat reports using them and no recent held-out round (``keep_eval_versions``) is pinned to them.
+A shard whose bytes are missing, unaddressable (a bad object name) or do not match their sha256 is
+refused at once: the upload goes to DEAD with the reason and the previous version stays current.
+Only a transient error (the server unavailable) naks it for another try.  A restart past an
+undecodable newest manifest resumes from the newest readable one.  Versions beyond
+``keep_versions`` are deleted once no generator heartbeat reports using them and no recent
+held-out round (``keep_eval_versions``) is pinned to them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 
-from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
+from bus.protocol import (
+    BadObjectName,
+    Bus,
+    BusClosed,
+    BusError,
+    ConsumerSpec,
+    Delivery,
+    ObjectNotFound,
+    Poison,
+    ServerUnavailable,
+)
 from bus.subjects import Subjects
 from observability.logging import get_logger
-from schemas import Control, Evaluate, Heartbeat, SchemaError, WeightManifest
+from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -30,6 +45,21 @@ from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
 
 log = get_logger()
+
+# At start-up, how long the search for a readable manifest behind an unreadable newest one may take.
+RESUME_SCAN_S = 10.0
+
+
+def refusal(upload: WeightManifest, shard: Shard, exc: BaseException) -> str:
+    """The dead letter's reason for a shard that cannot be verified."""
+    if isinstance(exc, (FileNotFoundError, ObjectNotFound, KeyError)):
+        what = "is missing"
+    elif isinstance(exc, BadObjectName):
+        what = "is not an object name the store can address"
+    else:
+        what = "does not verify"
+    return (f"upload v{upload.version}: shard {shard.location[:200]!r} {what} ({type(exc).__name__}: {exc}); "
+            "the version is refused and the previous one stays current: re-publish it from the trainer")
 
 
 class Broadcaster:
@@ -56,12 +86,14 @@ class Broadcaster:
         for shard in upload.shards:
             try:
                 await self.transport.read(shard)
-            except WeightIntegrityError as exc:
+            except (ServerUnavailable, BusClosed):
+                raise  # transient (or the service is stopping): the upload is naked and read again
+            except (WeightIntegrityError, BusError, OSError, KeyError) as exc:
+                # Missing, unaddressable or corrupt bytes never get better: refuse the version now
+                # (DEAD with the reason) instead of retrying it until max_deliver, which held up
+                # the real uploads behind forged ones (max_ack_pending is small).
                 self.refused += 1
-                raise Poison(str(exc)) from None
-            except (FileNotFoundError, KeyError) as exc:
-                self.refused += 1
-                raise Poison(f"upload v{upload.version}: shard {shard.location!r} is missing ({exc})") from None
+                raise Poison(refusal(upload, shard, exc)) from None
         self.verify_seconds += time.perf_counter() - t0
         published = WeightManifest(model=upload.model, version=upload.version, transport=upload.transport,
                                    shards=upload.shards, tensors=upload.tensors, trainer_step=upload.trainer_step,
@@ -119,12 +151,40 @@ class BroadcastService:
                                     max_deliver=3, max_ack_pending=4)
 
     async def resume(self) -> None:
-        """Take the latest published version as current (a restarted broadcast)."""
-        latest_raw = await self.bus.last(self.subjects.weights(self.run_cfg.model_name))
-        if latest_raw is not None:
-            latest = WeightManifest.decode(latest_raw)
+        """Take the latest published version as current (a restarted broadcast).  An undecodable
+        newest manifest (forged, or written by a newer schema) must not stop the service from
+        starting: it is skipped with a warning and the newest readable one before it is taken, or
+        none (the version numbering then rests on the uploads still to come)."""
+        subject = self.subjects.weights(self.run_cfg.model_name)
+        latest_raw = await self.bus.last(subject)
+        if latest_raw is None:
+            return
+        try:
+            latest: WeightManifest | None = WeightManifest.decode(latest_raw)
+        except SchemaError as exc:
+            log.warning("unreadable_weight_manifest", subject=subject, error=str(exc)[:500],
+                        todo="skipped at start-up; looking for the newest readable manifest before it")
+            latest = await self._newest_readable(subject, latest_raw)
+        if latest is not None:
             self.b.mark_published(latest)
             log.info("broadcast_resumed", latest=latest.version)
+
+    async def _newest_readable(self, subject: str, unreadable: bytes) -> WeightManifest | None:
+        """The highest-version readable manifest stored on ``subject`` before the unreadable newest
+        one (read in order until that one comes by), bounded by ``RESUME_SCAN_S``."""
+        best: WeightManifest | None = None
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(RESUME_SCAN_S):
+                async with contextlib.aclosing(self.bus.watch(subject, deliver="all")) as stored:  # type: ignore[type-var]
+                    async for d in stored:
+                        if d.msg == unreadable:
+                            break
+                        with contextlib.suppress(SchemaError):
+                            m = WeightManifest.decode(d.msg)
+                            if m.state == "published" and (best is None or m.version > best.version):
+                                best = m
+        log.warning("broadcast_resumed_past_unreadable", latest=best.version if best else None)
+        return best
 
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
         """Every loop the service runs, for ``run_until_stopped``."""

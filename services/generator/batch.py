@@ -160,8 +160,8 @@ class BatchDriver:
             return [None] * len(held)
         reply, problem = await self._request_resets(subject, env, held)
         if reply is None:
-            for h in held:
-                await h.delivery.nak(delay=self.ENV_RETRY_S)
+            for h in held:  # the error goes with the nak: a max-deliveries dead letter then says what failed
+                await h.delivery.nak(delay=self.ENV_RETRY_S, error=f"environment {env!r} unavailable: {problem}")
             log.warning("env_unavailable", tasks=len(held), env=env, error=problem)
             return [None] * len(held)
         prompts: list[list[int] | None] = []
@@ -262,7 +262,7 @@ class BatchDriver:
                 await self._refuse([h], f"task {h.task.task_id!r} failed sampling on delivery {n} of "
                                         f"{TASK_MAX_DELIVER}{beside}: {error}")
             else:
-                await h.delivery.nak(delay=self.SAMPLING_RETRY_S)
+                await h.delivery.nak(delay=self.SAMPLING_RETRY_S, error=f"sampling failed on delivery {n}: {error}")
         self.gen.give_back(sum(not h.is_eval for h, _ in part))
 
     async def _play(self, batch: list[tuple[Task, list[int]]], pins: Pins) -> list[RolloutGroup]:

@@ -8,7 +8,7 @@ import pytest
 
 from bus.protocol import BusClosed, BusConfigError, ConsumerSpec, RequestFailed, StreamFull
 from bus.retention import Retention
-from bus.streams import declarations, ensure_consumer, ensure_streams
+from bus.streams import WEIGHTS_PER_SUBJECT, declarations, ensure_consumer, ensure_streams
 from bus.subjects import Subjects
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import dead_letters, task_spec
@@ -45,11 +45,11 @@ async def test_ensure_streams_is_idempotent_updates_limits_in_place_and_refuses_
 
 async def test_weights_stream_keeps_last_n_per_subject(bus):
     s = bus.subjects
-    for v in range(12):
-        await bus.publish(s.weights("policy"), f"v{v}".encode(), msg_id=f"w{v}")
+    n = WEIGHTS_PER_SUBJECT + 4
+    await bus.publish_many([(s.weights("policy"), f"v{v}".encode(), f"w{v}") for v in range(n)])
     state = {st.name: st for st in await bus.streams()}
-    assert state[s.stream("WEIGHTS")].messages == 8
-    assert await bus.last(s.weights("policy")) == b"v11"
+    assert state[s.stream("WEIGHTS")].messages == WEIGHTS_PER_SUBJECT
+    assert await bus.last(s.weights("policy")) == f"v{n - 1}".encode()
     assert await bus.last(s.weights("other")) is None
 
 
