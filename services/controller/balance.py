@@ -197,9 +197,14 @@ class BalanceState:
             sums.add(dt, {"published": d["published"], "running_s": running_before * dt})
 
     def forget_generator(self, instance: str) -> None:
+        """A generator gone for good: its rates, and the trainer's outcomes counted under its name."""
         self._gen.pop(instance, None)
         self._gen_running.pop(instance, None)
         self._slots.pop(instance, None)
+        prefix = f"gen:{instance}/"
+        for counts in (self._trainer_sums.sums, self._trainer.last):
+            for key in [k for k in counts if k.startswith(prefix)]:
+                del counts[key]
 
     def observe_trainer(self, t: float, *, trained_total: int, by_pool: Mapping[str, Mapping[str, int]],
                         by_generator: Mapping[str, Mapping[str, int]] | None = None,

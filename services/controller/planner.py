@@ -43,6 +43,10 @@ from services.controller.settings import ControllerSettings
 from services.controller.state import DRAINING, ControllerState
 
 SHARE_STEP = 0.1  # a generator's pool shares are re-sent when one moves by more (rates are noisy)
+# The most metrics the controller's heartbeat carries: far under the schema's MAX_METRICS (a heartbeat
+# over it cannot be built, and the heartbeat loop would end the service) and under a message's payload.
+# Only per-generator entries can approach it (thousands of live instances); the last ones go first.
+MAX_REPORTED_METRICS = 8192
 
 
 class MixError(ValueError):
@@ -79,7 +83,7 @@ class Planner:
     clock: DecisionClock = field(default_factory=DecisionClock)
 
     def __post_init__(self) -> None:
-        self.state = ControllerState(tau_s=self.cfg.tau)
+        self.state = ControllerState(tau_s=self.cfg.tau, pools=self.pools)
         self.target_mix = normalise_mix(self.cfg.pool_mix or {p: 1.0 for p in self.pools}, self.pools)
         self.state.balance.set_target_mix(self.target_mix)
         self.mix_seq = -1
@@ -172,6 +176,7 @@ class Planner:
         self.last_plan = plan
         out += self._admissions(plan, k, now)
         out += self._silence(plan, now)
+        self._forget(*st.retire())
         out += self._pausing(now)
         if now - self.last_route_at >= self.cfg.route_period:
             self.last_route_at = now
@@ -201,6 +206,15 @@ class Planner:
                  "pending": st.trainer.pending_groups}, now))
             self._admits[(instance, boot)] = _Sent((grant, min_version), now)
         return out
+
+    def _forget(self, boots: list[tuple[str, str]], instances: list[str]) -> None:
+        """What was sent to boots and instances the state no longer keeps (``ControllerState.retire``)."""
+        for key in boots:
+            self._admits.pop(key, None)
+            self._evicted.pop(key, None)
+        for instance in instances:
+            for sent in (self._routes, self._concurrency, self._paused_by_us):
+                sent.pop(instance, None)
 
     def _silence(self, plan: AdmissionPlan, now: float) -> list[Control]:
         st = self.state
@@ -345,4 +359,10 @@ class Planner:
         m |= {f"controller/trained_since_target/{p}": n for p, n in st.balance.trained_since_target().items()}
         m["controller/mix_from_trainer"] = float(st.balance.mix_source == "trainer")
         m |= st.queues.metrics()
+        over = len(m) - MAX_REPORTED_METRICS
+        if over > 0:
+            left_out = sorted(k for k in m if k.startswith("controller/generator/"))[-over:]
+            for key in left_out:
+                del m[key]
+            m["controller/metrics_left_out"] = len(left_out)
         return m

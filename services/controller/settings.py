@@ -9,7 +9,10 @@ class ControllerSettings(Settings):
     instance: str = Field("controller-0", description="Instance name (metrics subject token).")
     period: float = Field(0.05, gt=0, le=10, description="Seconds between control decisions.")
     silent_after: float = Field(5.0, gt=0, description="Seconds without a heartbeat before a generator counts as lost.")
-    max_outstanding: int = Field(64, ge=1, description="Most un-started admitted groups one generator may hold.")
+    # Bounded: a plan hands out grants one group at a time, up to this many per generator, and the
+    # window it hands out is read from the trainer's heartbeat (as large as 2**40 groups).
+    max_outstanding: int = Field(64, ge=1, le=4096,
+                                 description="Most un-started admitted groups one generator may hold (at most 4096).")
     eval_tasks: str = Field("", description="JSONL of held-out tasks to evaluate ('' = no evaluation).")
     eval_every: int = Field(5, ge=0, description="Evaluate every N policy versions (0 = never).")
     refresh: float = Field(2.0, gt=0, description="Seconds between re-sends of unchanged grants (late joiners).")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from bus.protocol import StreamState
@@ -34,6 +34,14 @@ NO_ADMISSION = 1 << 40  # what a generator with admission off reports as its gra
 MAX_COUNT = NO_ADMISSION  # a counter beyond this is no count a service keeps (and would overflow a grant)
 MAX_CLOCK_SKEW_S = 86_400.0  # a heartbeat stamped further from this clock is timed by its arrival instead
 MAX_TOKEN_LEN = 64  # a boot id or pool name (a subject token is at most 64 characters)
+# Generator boots kept one by one.  Every boot seen stays in the admission sums (what it published
+# occupies the window), but a boot that is gone needs no view of its own: past this many views the
+# longest-gone are folded into one account (``ControllerState.retire``), so a flood of heartbeats that
+# each name a new boot or instance costs bounded work per heartbeat and per decision.
+MAX_GENERATOR_VIEWS = 1024
+MAX_SEEN_INSTANCES = 4096  # (service, instance) pairs whose last heartbeat time is kept
+# The account of folded boots: its instance has a space, which no subject token (so no heartbeat) has.
+RETIRED = ("retired generators", "")
 
 
 class Readings:
@@ -120,8 +128,15 @@ class Readings:
         return hb.ts
 
 
-def trainer_outcomes(metrics: Mapping[str, float]) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
+def trainer_outcomes(metrics: Mapping[str, float], *, pools: Collection[str] | None = None,
+                     generators: Collection[str] | None = None,
+                     ) -> tuple[dict[str, dict[str, int]], dict[str, dict[str, int]]]:
     """(by pool, by generator) group outcomes from a trainer heartbeat's breakdown keys.
+
+    ``pools`` / ``generators``: the names to read (None: any); a breakdown under another name is left
+    out.  The controller reads only the run's pools and the generators it heard from: every name it
+    reads becomes state it keeps and works through each period, so names a heartbeat makes up (a
+    broken or hostile emitter, thousands per heartbeat) must not become state.
 
     There is no totals-only fallback any more: the trainer reports every group it judges under its
     pool and its generator, so whenever a total (``trainer/groups_<outcome>``) is non-zero the
@@ -136,6 +151,9 @@ def trainer_outcomes(metrics: Mapping[str, float]) -> tuple[dict[str, dict[str, 
         parsed = TrainerKeys.parse_breakdown(key)
         if parsed is not None:
             kind, name, outcome = parsed
+            known = pools if kind == "pool" else generators
+            if known is not None and name not in known:
+                continue
             if math.isfinite(v) and 0 <= v <= MAX_COUNT:  # a count nobody keeps is left out (see Readings)
                 (by_pool if kind == "pool" else by_gen).setdefault(name, {})[outcome] = int(v)
     return by_pool, by_gen
@@ -198,25 +216,34 @@ class GeneratorInfo:
 class ControllerState:
     """Heartbeats in; generator and trainer views plus the balance measurements out."""
 
-    def __init__(self, *, tau_s: float = 20.0) -> None:
+    def __init__(self, *, tau_s: float = 20.0, pools: Collection[str] | None = None) -> None:
+        # The pools whose counts are read (None: any); a generator's or the trainer's count under any
+        # other pool name is left out (``trainer_outcomes``), so made-up names never become state.
+        self.pools = frozenset(pools) if pools is not None else None
         self.generators: dict[tuple[str, str], GeneratorView] = {}
         self.info: dict[str, GeneratorInfo] = {}
         self.trainer = TrainerView()
         self.trainer_seen = False
         self.trainer_idle_fraction = math.nan
         self.balance = BalanceState(tau_s=tau_s)
-        self.heartbeats: dict[tuple[str, str], Heartbeat] = {}
         self.seen_at: dict[tuple[str, str], float] = {}  # (service, instance) -> when last heard (0: it stopped)
         self.queues = QueueState()
         self._published_by_boot: dict[tuple[str, str], dict[str, int]] = {}
+        self._published_totals: Counter[str] = Counter()  # the sum of _published_by_boot
+        self._heard_boots: dict[str, set[str]] = {}  # instance -> boots heard from since its last new boot
         self._trainer_seq = -1
         self._warned_no_breakdown = False
         self.readings = Readings()
+        self.outcome_generators: set[str] = set()  # generator names read from the trainer's breakdown
 
     def observe(self, hb: Heartbeat, now: float | None = None) -> None:
         now = time.time() if now is None else now
-        self.heartbeats[(hb.service, hb.instance)] = hb
         self.seen_at[(hb.service, hb.instance)] = 0.0 if hb.state == "stopped" else now
+        if len(self.seen_at) > MAX_SEEN_INSTANCES:
+            # Instance names come from heartbeats: keep the most recently heard half (the others are
+            # not live), so a flood of names costs bounded memory and bounded ``heard_from`` work.
+            recent = sorted(self.seen_at.items(), key=lambda kv: kv[1], reverse=True)
+            self.seen_at = dict(recent[:MAX_SEEN_INSTANCES // 2])
         if hb.service == "generator":
             self._observe_generator(hb, now)
         elif hb.service == "trainer":
@@ -225,11 +252,16 @@ class ControllerState:
     def _observe_generator(self, hb: Heartbeat, now: float) -> None:
         r = self.readings
         boot = r.token(hb, GeneratorKeys.INFO_BOOT)
+        heard = self._heard_boots.setdefault(hb.instance, set())
         if (hb.instance, boot) not in self.generators:
-            # Instance names are unique per replica: a new boot means the earlier ones are gone.
-            for (inst, b), old in self.generators.items():
-                if inst == hb.instance and b != boot:
+            # Instance names are unique per replica: a new boot means the earlier ones are gone.  (Only
+            # those heard from since the last new boot can still look alive: the work per heartbeat does
+            # not grow with the boots seen.)
+            for b in heard - {boot}:
+                if (old := self.generators.get((hb.instance, b))) is not None:
                     old.last_seen = 0.0
+            heard.clear()
+        heard.add(boot)
         g = self.generators.setdefault((hb.instance, boot), GeneratorView(hb.instance, boot))
         g.started = r.count(hb, GeneratorKeys.GROUPS_STARTED, g.started)
         g.published = r.count(hb, GeneratorKeys.GROUPS_PUBLISHED, g.published)
@@ -251,15 +283,15 @@ class ControllerState:
         by_pool = {}
         for key in hb.metrics:
             pool = GeneratorKeys.parse_pool_published(key)
-            if pool is not None:
+            if pool is not None and (self.pools is None or pool in self.pools):
                 by_pool[pool] = r.count(hb, key, 0)
+        # Totals kept up to date by difference: summing every boot's counts per heartbeat grew with the boots.
+        self._published_totals.subtract(self._published_by_boot.get((hb.instance, boot), {}))
+        self._published_totals.update(by_pool)
         self._published_by_boot[(hb.instance, boot)] = by_pool
         self.balance.observe_generator(hb.instance, ts, started=g.started, published=g.published, boot=boot,
                                        slots=concurrency, pool=pools[0] if pools else "")
-        totals: Counter[str] = Counter()
-        for counts in self._published_by_boot.values():
-            totals.update(counts)
-        self.balance.observe_published_by_pool(dict(totals))
+        self.balance.observe_published_by_pool(dict(self._published_totals))
 
     def _observe_trainer(self, hb: Heartbeat, now: float) -> None:
         r = self.readings
@@ -278,7 +310,7 @@ class ControllerState:
         self.trainer_seen = True
         idle_fraction = m.get(TrainerKeys.IDLE_FRACTION, math.nan)
         self.trainer_idle_fraction = idle_fraction if 0 <= idle_fraction <= 1 else math.nan  # NaN: not measured
-        by_pool, by_gen = trainer_outcomes(m)
+        by_pool, by_gen = trainer_outcomes(m, pools=self.pools, generators=self._outcome_generators(m))
         if not by_pool and not self._warned_no_breakdown and any(m.get(TrainerKeys.groups(o), 0) for o in OUTCOMES):
             # A trainer build from before the breakdown: the controller then measures no kept fraction
             # (no over-sampling) and judges the mix on what the generators published.
@@ -289,6 +321,18 @@ class ControllerState:
         self.balance.observe_trainer(r.ts(hb, now), trained_total=t.trained_groups, by_pool=by_pool,
                                      by_generator=by_gen, idle_s=idle if idle >= 0 else None)
 
+    def _outcome_generators(self, metrics: Mapping[str, float]) -> set[str]:
+        """The generator names whose outcomes are read from a trainer heartbeat: every one heard from as
+        a generator, and others (a trainer may report a generator before the controller hears it, as
+        after a controller restart: its counts are then the baseline) up to ``MAX_GENERATOR_VIEWS``
+        names, so that made-up names cannot grow the state past that."""
+        for key in metrics:
+            parsed = TrainerKeys.parse_breakdown(key)
+            if parsed is not None and parsed[0] == "generator" and parsed[1] not in self.outcome_generators \
+                    and (parsed[1] in self.info or len(self.outcome_generators) < MAX_GENERATOR_VIEWS):
+                self.outcome_generators.add(parsed[1])
+        return self.outcome_generators
+
     def heard_from(self, service: str, now: float, within: float) -> int:
         """Instances of ``service`` heard from in the last ``within`` seconds (not stopped)."""
         return sum(1 for (svc, _), at in self.seen_at.items() if svc == service and at > 0 and now - at <= within)
@@ -298,3 +342,39 @@ class ControllerState:
 
     def views(self) -> list[GeneratorView]:
         return list(self.generators.values())
+
+    def retire(self, limit: int | None = None) -> tuple[list[tuple[str, str]], list[str]]:
+        """Fold the longest-gone boots into the ``RETIRED`` account while more than ``limit`` views
+        (``MAX_GENERATOR_VIEWS``) are kept; returns the (instance, boot) keys folded and the instances
+        left with no boot at all (forgotten: their info, last heartbeat time and rates).  Only a boot a plan already found silent or
+        replaced (``alive`` False: it was drained, its grant taken back) is folded; what it published
+        stays in the account, so the admission sums do not change.  A folded boot heard from again
+        starts a new view and its groups count twice until it is gone again: fewer admissions, never
+        more."""
+        limit = MAX_GENERATOR_VIEWS if limit is None else limit
+        over = len(self.generators) + (RETIRED not in self.generators) - limit
+        if over <= 0:
+            return [], []
+        gone = sorted((k for k, g in self.generators.items() if not g.alive and k != RETIRED),
+                      key=lambda k: self.generators[k].last_seen)[:over]
+        if not gone:
+            return [], []
+        account = self.generators.setdefault(RETIRED, GeneratorView(*RETIRED, alive=False))
+        by_pool = self._published_by_boot.setdefault(RETIRED, {})
+        for key in gone:
+            g = self.generators.pop(key)
+            self._heard_boots.get(key[0], set()).discard(key[1])
+            n = max(g.published, g.started, g.granted)  # a silent boot's plan left started = granted = published
+            account.published += n
+            account.started = account.granted = account.published
+            for pool, count in self._published_by_boot.pop(key, {}).items():
+                by_pool[pool] = by_pool.get(pool, 0) + count
+        kept = {inst for inst, _ in self.generators}
+        forgotten = sorted({inst for inst, _ in gone} - kept)
+        for inst in forgotten:
+            self.info.pop(inst, None)
+            self._heard_boots.pop(inst, None)
+            self.seen_at.pop(("generator", inst), None)
+            self.balance.forget_generator(inst)
+            self.outcome_generators.discard(inst)
+        return gone, forgotten

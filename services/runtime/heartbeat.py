@@ -49,12 +49,12 @@ class Beat:
         """Publish one heartbeat now; False (logged) if it could not be published.  Raises only
         ``BusClosed``: a closed bus is the service's end, a missed beat is not."""
         self.seq += 1
-        metrics = dict(self.metrics)
-        if self.extra is not None:
-            metrics.update(self.extra())
-        hb = Heartbeat(service=self.service, instance=self.instance, seq=self.seq, ts=time.time(),
-                       state=self.state, version=self.version, metrics=metrics, info=self.info)
-        try:
+        try:  # building it too: metrics the schema refuses cost this beat, not the heartbeat loop
+            metrics = dict(self.metrics)
+            if self.extra is not None:
+                metrics.update(self.extra())
+            hb = Heartbeat(service=self.service, instance=self.instance, seq=self.seq, ts=time.time(),
+                           state=self.state, version=self.version, metrics=metrics, info=self.info)
             async with asyncio.timeout(self.send_timeout):
                 await self.bus.publish(self.subject, hb.encode(), msg_id=hb.msg_id)
         except BusClosed:

@@ -66,3 +66,18 @@ async def test_a_closed_bus_still_ends_the_loop():
     beat = Beat(ClosedBus(), Subjects("hb"), "reward", "0")  # type: ignore[arg-type]
     with pytest.raises(BusClosed):
         await beat.send()
+
+
+async def test_a_beat_the_schema_refuses_is_skipped_and_the_next_one_goes_out():
+    bus = FlakyBus()
+    bus.away = False
+    broken = True
+
+    def extra() -> dict[str, float]:
+        return {"x" * 10_000: 1.0} if broken else {"ok": 1.0}  # a metric name no schema accepts
+
+    beat = Beat(bus, Subjects("hb"), "controller", "0", period=0.01, send_timeout=5.0)  # type: ignore[arg-type]
+    beat.extra = extra
+    assert await beat.send() is False and beat.missed == 1
+    broken = False
+    assert await beat.send() is True and len(bus.published) == 1
