@@ -27,6 +27,7 @@ from typing import Any
 
 from schemas import ScoredGroup
 from schemas.metric_keys import STALE_HELD
+from schemas.task import subject_token_problem
 from services.trainer.judge import InputLimits, judge_group
 from services.trainer.versions import Lineage
 
@@ -42,6 +43,9 @@ class GroupDecision:
     refusal: str = ""  # why it can never be trained on: settled by a term with this reason, not an ack
 
 
+MAX_GENERATORS = 1024  # generator ids reported per outcome (x5 metrics each, far below the heartbeat's bound)
+
+
 @dataclass
 class Outcomes:
     """Group outcomes (train, filtered, invalid, stale, and the ``stale_held`` part of stale) by
@@ -53,8 +57,16 @@ class Outcomes:
 
     def count(self, group: ScoredGroup, outcome: str, n: int = 1) -> None:
         self.by_pool.setdefault(group.task.pool, Counter())[outcome] += n
-        if group.generator_id:
+        if self._reportable(group.generator_id):
             self.by_generator.setdefault(group.generator_id, Counter())[outcome] += n
+
+    def _reportable(self, generator: str) -> bool:
+        """Each generator id becomes heartbeat metric names, and the id comes off the wire: one that
+        is no subject token (a 3,000-character id), or one more than MAX_GENERATORS distinct ids,
+        would make the trainer's own heartbeat unbuildable.  Such groups count per pool only."""
+        if not generator or subject_token_problem(generator):
+            return False
+        return generator in self.by_generator or len(self.by_generator) < MAX_GENERATORS
 
     def total(self, outcome: str) -> int:
         return sum(c[outcome] for c in self.by_pool.values())

@@ -171,6 +171,20 @@ def test_outcomes_are_tallied_per_pool_and_per_generator():
     assert sum(o.total(r) for r in ("train", "filtered", "invalid", "stale")) == sum(a.counts.values()) - 1
 
 
+
+def test_generator_ids_off_the_wire_cannot_blow_up_the_trainers_heartbeat(monkeypatch):
+    """Each reported generator id becomes metric names: one that is no subject token, or one past
+    the cap of distinct ids, is counted per pool only (a 3,000-character id from the fuzz test
+    made the trainer's heartbeat unbuildable and killed it)."""
+    import services.trainer.batch as batch
+
+    monkeypatch.setattr(batch, "MAX_GENERATORS", 2)
+    a = Assembler(batch_groups=8, max_staleness=0)
+    for i, gen in enumerate(["gen-0", "x" * 3000, "a.b", "gen-1", "gen-2", "gen-0"]):
+        a.offer(group(f"t{i}", [1.0, 0.0], pool="math", generator=gen), None, version=0, consumed=set())
+    assert set(a.outcomes.by_generator) == {"gen-0", "gen-1"}
+    assert a.outcomes.by_generator["gen-0"]["train"] == 2 and a.outcomes.total("train") == 6
+
 @settings(max_examples=150, deadline=None)
 @given(
     batch_groups=st.integers(1, 4),
