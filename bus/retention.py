@@ -11,7 +11,10 @@ never loses data silently:
 | TASKS, ROLLOUTS    | ``queue_max_msgs``, ``queue_max_bytes`` | discard *new*: the publisher gets ``StreamFull`` |
 |                    | (each)                                  | naming the stream, the limit and the key to raise |
 | SCORED             | ``scored_max_msgs``, ``scored_max_bytes`` | discard *old*: the oldest groups, trained and    |
-|                    |                                         | acked long ago (kept only for replay), go first  |
+|                    |                                         | acked long ago (kept only for replay), go first; |
+|                    |                                         | a burst larger than the cap, published faster    |
+|                    |                                         | than the trainer reads, loses its oldest unread  |
+|                    |                                         | groups: the cap must exceed any burst            |
 | CONTROL            | ``control_per_subject`` per subject     | discard old per subject: the latest decision of  |
 |                    |                                         | every subject is always kept                     |
 | DEAD               | ``dead_max_msgs``, ``dead_max_bytes``   | discard *new*: the dead letter is refused, so the |

@@ -57,9 +57,11 @@ class RetentionSettings(Settings):
     queue_max_mib: int = Field(0, ge=0, le=1 << 20, description=(
         "MiB each work queue (TASKS, ROLLOUTS) may hold, 0 = no cap of its own; past it publishers get "
         "StreamFull. A byte cap reserves that much of the server's storage when the stream is made."))
-    scored_keep_steps: int = Field(1000, ge=8, le=1_000_000, description=(
+    scored_keep_steps: int = Field(10_000, ge=8, le=1_000_000, description=(
         "Optimiser steps of scored groups SCORED keeps for replay (x batch_groups messages); the oldest go "
-        "first. Must be at least 4 x (max_staleness + 2) so only long-trained groups are dropped."))
+        "first, read or not: size it above any burst of scored groups published faster than the trainer "
+        "reads them (10,000 x batch_groups by default; messages are small, bytes are claim-checked). "
+        "Must be at least 4 x (max_staleness + 2) so only long-trained groups are dropped in a steady run."))
     scored_max_mib: int = Field(0, ge=0, le=1 << 20, description=(
         "MiB SCORED may hold, 0 = no cap of its own; past it the oldest groups go first: keep it well above what "
         "the trainer holds un-acked. A byte cap reserves that much of the server's storage."))
