@@ -23,6 +23,7 @@ from typing import Protocol
 
 from bus.protocol import Bus
 from schemas import Shard
+from services.runtime.files import write_synced
 
 
 class WeightIntegrityError(RuntimeError):
@@ -121,10 +122,7 @@ class FileTransport:
     def _write(path: Path, data: bytes) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_synced(tmp, data)
         os.replace(tmp, path)
         return sha256_of(data)
 

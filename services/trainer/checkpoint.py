@@ -33,6 +33,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from observability.logging import get_logger
+from services.runtime.files import fsync_dir, replace_file, write_synced
 from services.trainer.errors import TrainerError
 from services.trainer.ledger import CorruptLedger, Ledger, LedgerRef, LedgerStore
 
@@ -74,31 +75,8 @@ class Found:
     step: int
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
 def _json(obj: object) -> bytes:
     return json.dumps(obj).encode()
-
-
-def _replace_file(path: Path, data: bytes) -> None:
-    """Replace one file atomically: the old or the new content, never a mix."""
-    tmp = path.with_name(path.name + ".tmp")
-    _write(tmp, data)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def checkpoints(root: Path) -> list[Found]:
@@ -142,7 +120,7 @@ def _free_name(root: Path, step: int, seq: int) -> Path:
 
 def _point(root: Path, folder: Path) -> None:
     """``latest`` names the newest checkpoint, for readers outside the trainer (export, status)."""
-    _replace_file(root / "latest", _json({"checkpoint": folder.name}))
+    replace_file(root / "latest", _json({"checkpoint": folder.name}))
 
 
 def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState, *, keep: int) -> Path:
@@ -162,14 +140,14 @@ def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, s
         STATE: _json({"step": state.step, "version": state.version, "counters": state.counters}),
     }
     for name, data in files.items():
-        _write(tmp / name, data)
-    _write(tmp / LEDGER, _json(ref.record()))  # not in the manifest: a ledger-only save replaces it
-    _write(tmp / MANIFEST, _json({"seq": seq, "step": state.step,
+        write_synced(tmp / name, data)
+    write_synced(tmp / LEDGER, _json(ref.record()))  # not in the manifest: a ledger-only save replaces it
+    write_synced(tmp / MANIFEST, _json({"seq": seq, "step": state.step,
                                   "sha256": {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}}))
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     final = _free_name(root, state.step, seq)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     _point(root, final)
     state.consumed.saved(ref, written)
     _retain(root, keep)
@@ -298,7 +276,7 @@ def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         record = json.loads((newest.folder / STATE).read_text())
         for gid, reason in dropped.items():
             record["consumed"].setdefault(gid, reason)
-        _replace_file(newest.folder / STATE, _json(record))
+        replace_file(newest.folder / STATE, _json(record))
         return
     store = LedgerStore(root / "ledger")
     ref = _ledger_ref(newest.folder)
@@ -310,7 +288,7 @@ def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
         for gid, reason in dropped.items():
             entries.setdefault(gid, reason)
         new_ref = store.start_generation(entries)
-    _replace_file(newest.folder / LEDGER, _json(new_ref.record()))
+    replace_file(newest.folder / LEDGER, _json(new_ref.record()))
     if state.consumed.origin == ref:
         state.consumed.saved(new_ref, dropped)
     _retain(root, keep)

@@ -27,6 +27,7 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from services.runtime.files import fsync_dir, write_synced
 from services.trainer.errors import TrainerError
 
 MIN_COMPACT = 64 * 1024  # a journal shorter than this is never compacted: tiny bases would churn
@@ -99,14 +100,6 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class LedgerStore:
     """The generations of ledger files under one folder; written by one trainer at a time."""
 
@@ -154,14 +147,11 @@ class LedgerStore:
         generation = max(self.generations(), default=0) + 1
         data = json.dumps(dict(entries), separators=(",", ":")).encode()
         tmp = self.folder / f"base-{generation:08d}.tmp"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
+        write_synced(tmp, data)
         with open(self._journal(generation), "wb") as fh:  # empty: no stale tail from a torn earlier try
             os.fsync(fh.fileno())
         os.replace(tmp, self._base(generation))
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         return LedgerRef(generation, 0, _digest(data), len(data))
 
     def read(self, ref: LedgerRef) -> dict[str, str]:

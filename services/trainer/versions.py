@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from schemas import Rollout
+from services.runtime.files import replace_file
 from services.trainer.errors import TrainerError
 
 BOOK_FILE = "versions.json"
@@ -129,14 +129,5 @@ class VersionBook:
 
     def _write(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(BOOK_FILE + ".tmp")
-        with open(tmp, "w") as fh:
-            json.dump({"highest": self.highest, "forks": [list(f) for f in self.lineage.forks]}, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.path)
-        fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        replace_file(self.path, json.dumps({"highest": self.highest,
+                                            "forks": [list(f) for f in self.lineage.forks]}).encode())
