@@ -258,10 +258,10 @@ class Connection:
         self.max_deliveries.start()
         return stream
 
-    async def pull_inbox(self, stream: str, durable: str, *,
-                         on_message: Callable[[Msg], None] | None = None) -> PullInbox:
+    async def pull_inbox(self, stream: str, durable: str, *, on_message: Callable[[Msg], None] | None = None,
+                         on_leftover: Callable[[Msg], None] | None = None) -> PullInbox:
         """A started inbox for pull requests to ``durable`` (declared with ``ensure_consumer``)."""
-        inbox = PullInbox(self.nc, self.api_prefix, stream, durable, on_message=on_message)
+        inbox = PullInbox(self.nc, self.api_prefix, stream, durable, on_message=on_message, on_leftover=on_leftover)
         return await inbox.start()
 
     async def consumer_pending(self, stream: str, durable: str) -> int:

@@ -117,11 +117,15 @@ class JetStreamSettle:
         self.conn.note_error(self.stream, d.stream_seq, error)
 
 
+# How long a message that arrived while no fetch ran waits for one before it is given back.
+LEFTOVER_S = 2.0
+
+
 class Durable:
     """A durable of one connection: declared on ``open``, read through one ``PullInbox``."""
 
     def __init__(self, conn: Connection, spec: ConsumerSpec, decode: Callable[[bytes], Any], *,
-                 heartbeat: bool) -> None:
+                 heartbeat: bool, return_leftovers: bool = False) -> None:
         self.conn = conn
         self.spec = spec
         self.decode = decode
@@ -129,15 +133,40 @@ class Durable:
         self.work_queue = spec.stream in WORK_QUEUES
         self.heartbeat = Heartbeat(spec.ack_wait, name=spec.durable, log=conn.log) if heartbeat else None
         self.inbox: PullInbox | None = None
+        # A puller's caller fetches only when it wants work; a consume loop drains its buffer itself.
+        self.return_leftovers = return_leftovers
+        self.leftovers_returned = 0
 
     async def open(self) -> PullInbox:
         if self.inbox is None:
             await self.conn.ensure_consumer(self.spec)
             hold = self.heartbeat.hold if self.heartbeat is not None else None
-            self.inbox = await self.conn.pull_inbox(self.stream, self.spec.durable, on_message=hold)
+            leftover = self._leftover if self.return_leftovers else None
+            self.inbox = await self.conn.pull_inbox(self.stream, self.spec.durable, on_message=hold,
+                                                    on_leftover=leftover)
             if self.heartbeat is not None:
                 self.heartbeat.start(self.conn.spawn)
         return self.inbox
+
+    def _leftover(self, raw: Msg) -> None:
+        self.conn.spawn(self._return_if_untaken(raw), name=f"leftover-{self.spec.durable}")
+
+    async def _return_if_untaken(self, raw: Msg) -> None:
+        """A message that arrived with no fetch running goes back to the server unless a fetch takes
+        it within ``LEFTOVER_S``: held (and heartbeated) here, no other replica could ever get it —
+        after a server outage one generator without grant held the last tasks of a run for good."""
+        await asyncio.sleep(LEFTOVER_S)
+        if self.inbox is None or not self.inbox.take_back(raw):
+            return
+        if self.heartbeat is not None:
+            self.heartbeat.release(raw)
+        self.leftovers_returned += 1
+        self.conn.log.info("pull_leftover_returned", durable=self.spec.durable, subject=raw.subject,
+                           returned=self.leftovers_returned)
+        try:
+            await raw.nak()
+        except Exception as exc:  # noqa: BLE001 - unsettled either way: back after ack_wait (no heartbeat now)
+            self.conn.log.warning("nak_failed", subject=raw.subject, error=repr(exc))
 
     async def close(self) -> None:
         if self.heartbeat is not None:

@@ -42,10 +42,16 @@ class PullInbox:
     """One consumer's pull requests and the messages they bring, buffered in arrival order."""
 
     def __init__(self, nc: Any, api_prefix: str, stream: str, consumer: str, *,
-                 on_message: Callable[[Msg], None] | None = None) -> None:
+                 on_message: Callable[[Msg], None] | None = None,
+                 on_leftover: Callable[[Msg], None] | None = None) -> None:
         self._nc = nc
         # Told of every message as it lands in the buffer (a consumer's heartbeat starts there).
         self._on_message = on_message
+        # Told, besides, of a message that lands while no ``fetch`` runs: the answer to a request a
+        # fetch gave up on (sent before a disconnect and answered after it).  A puller whose caller
+        # stops fetching (a generator without grant) would otherwise hold it, heartbeated, forever.
+        self._on_leftover = on_leftover
+        self._fetching = False
         self.stream = stream
         self.consumer = consumer
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -91,7 +97,17 @@ class PullInbox:
             self.received += 1
             if self._on_message is not None:
                 self._on_message(msg)
+            if self._on_leftover is not None and not self._fetching:
+                self._on_leftover(msg)
         self._changed.set()
+
+    def take_back(self, msg: Msg) -> bool:
+        """Remove ``msg`` from the buffer; False when a fetch took it already."""
+        try:
+            self.buffer.remove(msg)
+        except ValueError:
+            return False
+        return True
 
     async def request(self, batch: int, *, expires: float | None, max_bytes: int = 0,
                       no_wait: bool = False) -> int:
@@ -145,15 +161,27 @@ class PullInbox:
 
         A no-wait request first returns immediately with whatever is there; only when there is
         nothing does a lingering request wait, and it is waited out (full batch or the server's
-        expiry status) so no request is left open to deliver messages nobody is waiting for."""
+        expiry status) so no request is left open to deliver messages nobody is waiting for.
+        While the client is disconnected no request is sent (it would wait in the client's buffer
+        and reach the server long after this fetch returned): what is buffered is returned."""
+        self._fetching = True
+        try:
+            return await self._fetch(batch, timeout, max_bytes)
+        finally:
+            self._fetching = False
+
+    async def _fetch(self, batch: int, timeout: float, max_bytes: int) -> list[Msg]:
         out: list[Msg] = []
         while self.buffer and len(out) < batch:  # leftovers of an earlier, timed-out wait
             out.append(self.buffer.popleft())
         if len(out) >= batch:
             return out
+        if not out and not self._nc.is_connected:
+            await self._wait_changed(timeout)  # as a pull that found nothing would (and a caller's loop must not spin)
+            return [self.buffer.popleft() for _ in range(min(batch, len(self.buffer)))]
         loop = asyncio.get_running_loop()
         for linger in (False, True):
-            if linger and (out or timeout <= 0):
+            if (linger and (out or timeout <= 0)) or not self._nc.is_connected:
                 break
             want = batch - len(out)
             expires = None if not linger else max(timeout - 0.002, 0.001)

@@ -7,7 +7,9 @@ Every delivery the caller still holds gets ``in_progress`` heartbeats from the d
 delivery the caller drops without settling is only weakly held, is forgotten, and comes back
 after ``ack_wait``.  Malformed messages are dead-lettered (``bus.outcome.decoded``), never
 returned; a message whose dead letter (or claim) cannot be handled now stays un-acked and comes
-back later: ``fetch`` never raises for one message's trouble, only for a closed bus.
+back later: ``fetch`` never raises for one message's trouble, only for a closed bus.  A message
+that arrives while no fetch runs (the answer to a pull sent before a disconnect) goes back to
+the server unless a fetch takes it within seconds, so a caller that stops fetching holds nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class JetStreamPuller(Generic[T]):
                  heartbeat: bool = True) -> None:
         self.conn = conn
         self.spec = spec
-        self._durable = Durable(conn, spec, decode, heartbeat=heartbeat)
+        self._durable = Durable(conn, spec, decode, heartbeat=heartbeat, return_leftovers=True)
         self._lock = asyncio.Lock()  # one pull at a time: each waits out its own request
 
     async def fetch(self, max_msgs: int, timeout: float) -> list[Delivery[T]]:

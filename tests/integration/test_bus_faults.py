@@ -237,3 +237,62 @@ async def test_declarations_cover_the_advisories_of_every_stream():
     for d in declarations(s):
         assert f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{d.config.name}.*" in subjects
 
+
+
+async def test_a_pull_answered_after_its_fetch_gave_up_is_given_back_not_held(bus):
+    """The chaos test's stall: a pull sent before a server outage is answered after it, when its
+    fetch has long returned; the generator that sent it had no grant and fetched no more, and its
+    heartbeat kept the last tasks of the run in_progress for good while the generator with grant
+    found nothing to take.  Such a message must go back to the server for any replica."""
+    s = bus.subjects
+    spec = task_spec(bus, ack_wait=2.0)
+    without_grant = bus.puller(spec, Task.decode)
+    assert await without_grant.fetch(1, timeout=0.1) == []
+    inbox = without_grant._durable.inbox
+    await inbox.request(1, expires=30.0)  # the fetch that sent this is gone: nobody waits for it
+    await bus.publish(s.tasks("math"), Task(run="r", task_id="t1", pool="math", env="addition",
+                                            prompt="1+1=").encode(), msg_id="t1")
+    await eventually(lambda: inbox.received == 1, timeout=10)
+    with_grant = bus.puller(spec, Task.decode, heartbeat=False)
+    got: list[Delivery[Task]] = []
+
+    async def take() -> bool:
+        got.extend(await with_grant.fetch(1, timeout=0.5))
+        return bool(got)
+
+    # Held with heartbeats, it would never come back (2.5 x ack_wait here is enough to show it).
+    await eventually(take, timeout=5 * spec.ack_wait)
+    assert [d.msg.task_id for d in got] == ["t1"]
+    assert not inbox.buffer and len(without_grant._durable.heartbeat) == 0
+    await got[0].ack()
+
+
+async def test_no_pull_is_sent_while_disconnected(tmp_path):
+    """A fetch during an outage returns what it has at once and sends nothing: a request left in
+    the client's buffer would reach the server on reconnect and take messages for a fetch that
+    ended long before."""
+    from bus.jetstream import JetStreamBus
+
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.astart()
+    bus = await JetStreamBus.connect(server.url, "away", name="generator", **BUS_TEST_OPTIONS)
+    try:
+        puller = bus.puller(task_spec(bus), Task.decode)
+        assert await puller.fetch(1, timeout=0.1) == []
+        inbox = puller._durable.inbox
+        await server.astop()
+        await eventually(lambda: not bus.connection.nc.is_connected, timeout=10)
+        sent = inbox._seq
+        for _ in range(20):
+            assert await asyncio.wait_for(puller.fetch(4, timeout=0.05), 2.0) == []
+        assert inbox._seq == sent, "pull requests were queued while the server was away"
+        await server.astart()
+        await eventually(lambda: bus.connection.nc.is_connected, timeout=30)
+        await bus.publish(bus.subjects.tasks("math"), Task(run="r", task_id="t1", pool="math", env="addition",
+                                                           prompt="1+1=").encode(), msg_id="t1")
+        got = await puller.fetch(1, timeout=5.0)
+        assert [d.msg.task_id for d in got] == ["t1"]
+        await got[0].ack()
+    finally:
+        await bus.close()
+        await server.astop()
