@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import faulthandler
+import io
 import signal
+import sys
+import threading
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,6 +50,12 @@ class Lifecycle:
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.stopping.set)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGUSR1, log_where_everything_waits)
+        # SIGUSR2: every thread's stack to stderr from the C level, which works when the event
+        # loop itself is blocked and SIGUSR1's handler never runs.
+        with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+            faulthandler.register(signal.SIGUSR2, all_threads=True)
         self._installed = True
 
     def shutdown(self) -> None:
@@ -61,6 +72,33 @@ class Lifecycle:
         except TimeoutError:
             pass
         return self.stopping.is_set()
+
+
+def log_where_everything_waits() -> None:
+    """``kill -USR1 <pid>``: log the stack of every asyncio task and thread, without stopping.
+
+    For a service that is up, heartbeating and yet doing nothing: the stacks say what each loop
+    is waiting on (a pull, a request, a lock), which no metric can."""
+    tasks = [f"{task.get_name()}: {' <- '.join(reversed(_await_chain(task.get_coro())))}"[-2000:]
+             for task in asyncio.all_tasks()]
+    threads = {t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident], limit=8))[-2000:]
+               for t in threading.enumerate() if t.ident in sys._current_frames()}
+    log.warning("where_everything_waits", tasks=tasks, threads=threads)
+
+
+def _await_chain(coro: Any) -> list[str]:
+    """Where a suspended coroutine waits, outermost first: ``file:line in function`` per await
+    (a task's own stack shows only its outermost frame)."""
+    chain: list[str] = []
+    while coro is not None and len(chain) < 40:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
+        if frame is None:
+            chain.append(repr(coro)[:120])
+            break
+        code = frame.f_code
+        chain.append(f"{'/'.join(code.co_filename.rsplit('/', 2)[-2:])}:{frame.f_lineno} {code.co_name}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None) or getattr(coro, "ag_await", None)
+    return chain
 
 
 class Crew:

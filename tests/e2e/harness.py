@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import Any
 from bus.jetstream import JetStreamBus
 from bus.server import EmbeddedServer
 from bus.subjects import Subjects
-from schemas import Heartbeat, SchemaError
+from schemas import Control, Heartbeat, SchemaError
 from services.catalog import SINGLETONS
 from services.up.monitor import load_metrics
 from services.up.procs import Child, Children
@@ -86,9 +87,19 @@ class Pipeline:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         try:
             if exc_type is not None:
+                self.ask_where_everything_waits()
                 print(self.logs())
         finally:
             self.stop()
+
+    def ask_where_everything_waits(self) -> None:
+        """SIGUSR1 and SIGUSR2 to every live service: each logs the stack of its asyncio tasks and
+        writes every thread's stack to stderr (``services.runtime.lifecycle``)."""
+        for c in self.children.children:
+            if c.proc.poll() is None:
+                os.kill(c.proc.pid, signal.SIGUSR1)
+                os.kill(c.proc.pid, signal.SIGUSR2)
+        time.sleep(1.0)
 
     def logs(self) -> str:
         return "\n".join(f"--- {c.name}\n{c.tail(20)}" for c in self.children.children)
@@ -109,9 +120,50 @@ async def wait_heartbeat(bus: JetStreamBus, pred: Callable[[Heartbeat], bool], t
                     continue
                 if pred(hb):
                     return hb
+    except TimeoutError:
+        raise AssertionError(f"no heartbeat as awaited within {timeout:.0f} s; last words:\n"
+                             f"{await last_words(bus)}") from None
     finally:
         await w.aclose()
     raise AssertionError("unreachable")
+
+
+async def last_words(bus: JetStreamBus, timeout: float = 3.0) -> str:
+    """What each service last said (heartbeat: state, version, age, a few metrics) and the newest
+    control record per subject (admission grants, stall reports): printed with a failed e2e
+    assertion, since a CI log keeps the start of a failure and may cut the service logs."""
+    keep = ("generator/groups_started", "generator/groups_published", "generator/grant_total", "trainer/step",
+            "trainer/pending_groups", "controller/stall_s")
+    lines: dict[str, str] = {}
+    for kind in ("metrics", "control"):
+        w = bus.watch(bus.subjects.all_of(kind), deliver="last_per_subject")
+        try:
+            async with asyncio.timeout(timeout):
+                async for d in w:
+                    lines[d.subject] = _describe(kind, d.subject, d.msg, keep)
+        except TimeoutError:
+            pass
+        finally:
+            await w.aclose()
+    with contextlib.suppress(Exception):  # the server may be what failed
+        for st in await bus.streams():
+            lines[st.name] = f"stream {st.name}: {st.messages} messages, consumers " + ", ".join(
+                f"{c.name}(pending={c.pending} ack_pending={c.ack_pending} redelivered={c.redelivered} "
+                f"waiting={c.waiting})" for c in st.consumers)
+    return "\n".join(lines.values())
+
+
+def _describe(kind: str, subject: str, data: bytes, keep: tuple[str, ...]) -> str:
+    tail = subject.split(".", 2)[-1]
+    try:
+        if kind == "metrics":
+            hb = Heartbeat.decode(data)
+            metrics = {k: v for k, v in hb.metrics.items() if k in keep}
+            return (f"{tail}: state={hb.state} version={hb.version} age={time.time() - hb.ts:.0f}s "
+                    f"{metrics}")
+        return f"{tail}: {Control.decode(data).decision}"[:400]
+    except SchemaError as exc:
+        return f"{tail}: undecodable ({exc})"[:200]
 
 
 def checkpoint_state(root: Path) -> dict[str, Any]:

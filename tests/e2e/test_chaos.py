@@ -25,7 +25,7 @@ import pytest
 
 from schemas import Rollout, RolloutGroup, Shard, Task, WeightManifest
 from services.tasks.addition import make_split
-from tests.e2e.harness import Pipeline, checkpoint_state, wait_heartbeat
+from tests.e2e.harness import Pipeline, checkpoint_state, last_words, wait_heartbeat
 from tests.integration.helpers import dead_letters
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -217,7 +217,8 @@ async def settle(p: Pipeline, bus, n_total: int) -> dict:
         if drained and seen["ledger"] + seen["dead"] + seen["ack_pending"] == n_total:
             assert not set(state["consumed"]) & dead_tasks, "a task both trained and dead-lettered"
             return seen
-        assert time.monotonic() < deadline, f"the run did not settle: {seen} of {n_total} tasks"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the run did not settle: {seen} of {n_total} tasks\n{await last_words(bus)}")
         await asyncio.sleep(1.0)
 
 

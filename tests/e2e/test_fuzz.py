@@ -230,8 +230,8 @@ async def heartbeating(bus, p: Pipeline, since: float, report: Report) -> None:
         service = "generator" if name.startswith("gen-") else name
         try:
             await wait_heartbeat(bus, lambda h, sv=service: h.service == sv and h.ts > since, timeout=60)
-        except TimeoutError:
-            report.bad(f"no heartbeat from {name} after the fuzz")
+        except AssertionError as exc:  # wait_heartbeat's timeout, with every service's last words
+            report.bad(f"no heartbeat from {name} after the fuzz: {exc}")
 
 
 def account(cases: dict[str, list[fuzz.Case]], dead: DeadLog, scored: set[str], ledger: set[str],
@@ -304,8 +304,8 @@ async def test_every_consumed_subject_survives_10k_hostile_messages(tiny_model, 
             await wait_heartbeat(bus, lambda h: h.service == "trainer"
                                  and h.metrics.get("trainer/step", 0) > before.metrics.get("trainer/step", 0),
                                  timeout=STEP_TIMEOUT)
-        except TimeoutError:
-            report.bad("the trainer did not step on valid tasks published after the fuzz")
+        except AssertionError as exc:
+            report.bad(f"the trainer did not step on valid tasks published after the fuzz: {exc}")
         seen = await settle(bus, p)
         scored = await scored_ids(bus, p)
         for t in amid + after:

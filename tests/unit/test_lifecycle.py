@@ -190,3 +190,49 @@ def test_sigterm_stops_a_service_whose_worker_ignores_cancellation(tmp_path: Pat
             proc.wait()
     assert proc.returncode == 0
     assert "stopped" in out
+
+
+WAITER = textwrap.dedent("""
+    import asyncio, threading, time
+    from services.runtime.lifecycle import Lifecycle
+
+    async def pull_that_never_returns(gate):
+        await gate.wait()
+
+    async def main():
+        life = Lifecycle()
+        life.install_signal_handlers()
+        threading.Thread(target=time.sleep, args=(3600,), name="sampler", daemon=True).start()
+        task = asyncio.create_task(pull_that_never_returns(asyncio.Event()), name="batch-loop")
+        print("ready", flush=True)
+        await life.stopping.wait()
+        task.cancel()
+
+    asyncio.run(main())
+""")
+
+
+def test_sigusr1_logs_where_every_task_and_thread_waits_and_the_service_goes_on(tmp_path: Path) -> None:
+    script = tmp_path / "svc.py"
+    script.write_text(WAITER)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(signal.SIGUSR1)
+        proc.send_signal(signal.SIGUSR2)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the dump must not stop the service"
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+    dump = next(line for line in out.splitlines() if "where_everything_waits" in line)
+    assert "batch-loop: " in dump and "pull_that_never_returns" in dump, dump
+    assert "sampler" in dump, dump
+    assert "Thread 0x" in out or "Current thread 0x" in out, out  # SIGUSR2: the C-level dump of every thread
