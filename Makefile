@@ -44,8 +44,10 @@ up: $(BASE)
 
 vllm: $(VLLM)
 
+# Two workers, one test at a time each: most of the slow tests wait on services and servers, so a
+# second worker fills that time (tests/conftest.py orders the tests for it).
 test: $(TEST)
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --maxschedchunk 1
 
 test-fast: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"

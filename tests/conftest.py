@@ -8,6 +8,7 @@ stopped by its own pid at the end of the session (never by name).  Each test get
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import os
@@ -45,13 +46,16 @@ def tiny_model() -> Path:
     once per run.
     """
     out = CACHE / f"tiny-addition-seed0-{_model_key()}"
-    if not (out / "config.json").exists():
-        import torch
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # test workers (pytest -n): one builds, the others wait for it
+        if not (out / "config.json").exists():
+            import torch
 
-        from services.policy.model_init import init_model
+            from services.policy.model_init import init_model
 
-        torch.set_num_threads(1)
-        init_model(out, seed=0, overwrite=True)
+            torch.set_num_threads(1)
+            init_model(out, seed=0, overwrite=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return out
 
@@ -87,3 +91,22 @@ async def bus(nats_server: Any, run_name: str) -> AsyncIterator[Any]:
         yield b
     finally:
         await b.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """An order that keeps both test workers busy (``make test`` runs ``pytest -n 2``, one test at
+    a time per worker): first one end-to-end test, so one worker builds the tiny model (minutes on
+    one thread) while the other runs every test that does not need it; then the tests that need the
+    model, the slow end-to-end ones first so that no long test starts last.  In one process the
+    order only moves tests, never changes what they check."""
+
+    def needs_model(item: pytest.Item) -> bool:
+        return "tiny_model" in getattr(item, "fixturenames", ())
+
+    def slow(item: pytest.Item) -> bool:  # a real run, or a vLLM engine (tens of seconds to start)
+        return any(item.get_closest_marker(m) is not None for m in ("slow", "vllm"))
+
+    first = [i for i in items if needs_model(i) and slow(i)][:1]
+    rest = [i for i in items if i not in first]
+    rest.sort(key=lambda i: (needs_model(i), not slow(i)))  # stable: collection order within each rank
+    items[:] = first + rest
