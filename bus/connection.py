@@ -40,7 +40,7 @@ from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
-from bus.outage import api_errors
+from bus.outage import api_errors, through_outage
 from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
@@ -170,7 +170,11 @@ class Connection:
         return conn
 
     async def ensure_streams(self) -> None:
-        await ensure_streams(self.js, self.subjects, retention=self.retention, log=self.log)
+        """Declare the run's streams, riding out a server that goes away meanwhile (idempotent)."""
+        await through_outage(
+            lambda: ensure_streams(self.js, self.subjects, retention=self.retention, log=self.log),
+            f"declaring the streams of run {self.subjects.run!r}", connected=lambda: bool(self.nc.is_connected),
+            deadline=self.publisher.deadline, outage=self.publisher.outage)
 
     def full_error(self, subject_or_stream: str, why: str) -> StreamFull:
         """The ``StreamFull`` of a publish (or object put) refused at a discard-new limit."""

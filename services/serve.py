@@ -50,8 +50,10 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
     module = importlib.import_module(entry.module)
     life = Lifecycle()
     life.install_signal_handlers()
+    # A server that is down when the service starts is waited for like an outage mid-run
+    # ([run] publish_outage_s), so services and servers can start in any order.
     bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.name}-{instance}",
-                                     **run_cfg.bus_options())
+                                     connect_timeout=run_cfg.publish_outage_s, **run_cfg.bus_options())
     try:
         await module.run(run_cfg, cfg, bus=bus, life=life)
     finally:

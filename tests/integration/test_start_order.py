@@ -1,0 +1,51 @@
+"""Services and the server start in any order: a service whose server is not up yet waits for it
+(as for an outage mid-run, up to ``[run] publish_outage_s``) instead of exiting, which systemd units
+and containers started side by side rely on."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from bus.jetstream import JetStreamBus
+from bus.server import EmbeddedServer
+from services.up.procs import Children
+from services.up.tomlw import dumps
+from tests.e2e.harness import wait_heartbeat
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_service_started_before_its_server_waits_for_it_and_runs(tmp_path: Path) -> None:
+    port = _free_port()
+    server = EmbeddedServer(tmp_path / "nats", port=port)
+    config = tmp_path / "run.toml"
+    config.write_text(dumps({"run": {"run": "order", "nats_url": f"nats://127.0.0.1:{port}", "run_dir": str(tmp_path),
+                                     "publish_outage_s": 120.0}, "reward": {}}))
+    children = Children(tmp_path / "logs")
+    child = children.start("reward", "reward", config)
+    try:
+        time.sleep(12.0)  # past the 10 s a connect used to wait: the service is still up, waiting
+        assert child.proc.poll() is None, f"the service gave up on a server that is not up yet:\n{child.tail(20)}"
+        t_start = time.time()
+        await server.astart()
+        bus = await JetStreamBus.connect(server.url, "order", name="probe")
+        try:
+            hb = await wait_heartbeat(bus, lambda h: h.service == "reward" and h.ts > t_start, timeout=120)
+            assert hb.state == "running"
+            assert {s.name for s in await bus.streams()} >= {bus.subjects.stream("TASKS"), bus.subjects.stream("SCORED")}
+        finally:
+            await bus.close()
+        assert child.proc.poll() is None
+    finally:
+        children.stop(10.0)
+        await server.astop()
