@@ -1,5 +1,6 @@
 """Chaos on one real run: bad inputs, a late generator, every service kind killed with -9 and
-restarted, and the only nats-server stopped for 90 s and started again.
+restarted, the only nats-server stopped for 90 s and started again, and the environment frozen
+until the controller reports the stall and its cause.
 
 One scenario on one pipeline (each service a real process on a real nats-server with file
 storage) because the promise is about the *same* run: it survives all of it, keeps training and,
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections import Counter
 
@@ -23,7 +26,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import Rollout, RolloutGroup, Shard, Task, WeightManifest
+from schemas import Control, Rollout, RolloutGroup, Shard, Task, WeightManifest
+from schemas.control import Stall
 from services.tasks.addition import make_split
 from tests.e2e.harness import Pipeline, checkpoint_state, last_words, wait_heartbeat
 from tests.integration.helpers import dead_letters
@@ -40,7 +44,8 @@ def _tables(model: str) -> dict:
     return {
         "run": {"run": "chaos", "model_path": model, "batch_groups": 8, "group_size": 8, "max_staleness": 1},
         "trainer": {"lr": 1e-4, "ack_wait": 4.0, "checkpoint_every": 2},
-        "controller": {"eval_every": 0},
+        # A short stall window, so the frozen environment below is reported within the test.
+        "controller": {"eval_every": 0, "stall_after": 15.0},
         "generator": {"max_batch_groups": 8},
         "broadcast": {}, "reward": {}, "environment": {},
     }
@@ -171,6 +176,21 @@ async def test_a_run_survives_every_service_killed_and_a_90_s_server_outage(tiny
         await trains_again(bus, feeder, t_back)
         assert_all_alive(p)
 
+        # --- the environment frozen (SIGSTOP: up, silent, answering nothing) while work waits: the
+        # controller reports the stall with its cause, and its end once the environment is back
+        t_freeze = time.time()
+        env_pid = p.by_name["environment"].proc.pid
+        os.kill(env_pid, signal.SIGSTOP)
+        try:
+            await feeder.wave()
+            stall = await next_stall(bus, s, lambda st: st.cause == "environment_not_answering", since=t_freeze)
+            assert "environment" in stall.detail, stall
+        finally:
+            os.kill(env_pid, signal.SIGCONT)
+        await next_stall(bus, s, lambda st: st.cause == "", since=t_freeze)
+        await trains_again(bus, feeder, time.time())
+        assert_all_alive(p)
+
         # --- account for every task -----------------------------------------------------------
         n_total = feeder.sent + 3  # + the bad task, the empty prompt and the NaN rollout group
         seen = await settle(p, bus, n_total)
@@ -220,6 +240,23 @@ async def settle(p: Pipeline, bus, n_total: int) -> dict:
         if time.monotonic() > deadline:
             raise AssertionError(f"the run did not settle: {seen} of {n_total} tasks\n{await last_words(bus)}")
         await asyncio.sleep(1.0)
+
+
+async def next_stall(bus, s, pred, *, since: float, timeout: float = STEP_TIMEOUT) -> Stall:
+    """The first stall record (or its clearing) the controller publishes after ``since`` that
+    satisfies ``pred``: read from CONTROL, where ``rlbus status`` reads it."""
+    w = bus.watch(s.control_action("controller", "controller-0", "stall"), deliver="last_per_subject")
+    try:
+        async with asyncio.timeout(timeout):
+            async for d in w:
+                ctl = Control.decode(d.msg)
+                if ctl.issued_at > since and isinstance(ctl.decision, Stall) and pred(ctl.decision):
+                    return ctl.decision
+    except TimeoutError:
+        raise AssertionError(f"no such stall record within {timeout:.0f} s:\n{await last_words(bus)}") from None
+    finally:
+        await w.aclose()
+    raise AssertionError("unreachable")
 
 
 def dead_task_id(d) -> str:
