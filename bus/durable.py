@@ -117,7 +117,7 @@ class JetStreamSettle:
         self.conn.note_error(self.stream, d.stream_seq, error)
 
 
-# How long a message that arrived while no fetch ran waits for one before it is given back.
+# The least time a message that arrived while no fetch ran waits for one before it is given back.
 LEFTOVER_S = 2.0
 
 
@@ -153,9 +153,12 @@ class Durable:
 
     async def _return_if_untaken(self, raw: Msg) -> None:
         """A message that arrived with no fetch running goes back to the server unless a fetch takes
-        it within ``LEFTOVER_S``: held (and heartbeated) here, no other replica could ever get it —
-        after a server outage one generator without grant held the last tasks of a run for good."""
-        await asyncio.sleep(LEFTOVER_S)
+        it within the consumer's ``ack_wait`` (the hold the server itself would grant; at least
+        ``LEFTOVER_S``): held and heartbeated here without end, no other replica could ever get it —
+        after a server outage one generator without grant held the last tasks of a run for good.
+        A caller that fetches between steps (the trainer) takes it first; one that stops fetching
+        (a generator without grant) gives it back, at the cost of one delivery."""
+        await asyncio.sleep(max(LEFTOVER_S, self.spec.ack_wait))
         if self.inbox is None or not self.inbox.take_back(raw):
             return
         if self.heartbeat is not None:

@@ -9,7 +9,8 @@ after ``ack_wait``.  Malformed messages are dead-lettered (``bus.outcome.decoded
 returned; a message whose dead letter (or claim) cannot be handled now stays un-acked and comes
 back later: ``fetch`` never raises for one message's trouble, only for a closed bus.  A message
 that arrives while no fetch runs (the answer to a pull sent before a disconnect) goes back to
-the server unless a fetch takes it within seconds, so a caller that stops fetching holds nothing.
+the server unless a fetch takes it within the consumer's ack_wait, so a caller that stops fetching
+holds nothing.
 """
 
 from __future__ import annotations
