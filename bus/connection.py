@@ -48,6 +48,7 @@ from bus.retention import Retention
 from bus.routing import WORK_QUEUES, stream_kind_of
 from bus.streams import ensure_consumer, ensure_streams, limit_key
 from bus.subjects import Subjects
+from bus.urls import BadServerURL, server_urls
 from observability.logging import get_logger
 
 KiB, MiB = 1024, 1024 * 1024
@@ -141,15 +142,17 @@ class Connection:
     async def open(cls, url: str, run: str, *, name: str, connect_timeout: float = 10.0,
                    **options: Any) -> Connection:
         """Connect (reconnecting forever after the first success) within ``connect_timeout``."""
-        if not url:
-            raise BusError("a NATS URL is required (e.g. nats://127.0.0.1:4222); start one with `rlbus nats`")
+        try:
+            servers = server_urls(url or "")
+        except BadServerURL as exc:
+            raise BusError(str(exc)) from None
         events = _Events(get_logger(component="bus", bus=name, run=run), url)
         nc = nats.NATS()
         # Pings every 5 s, 3 unanswered = lost: a server that vanished without closing the socket
         # is noticed within ~20 s, inside a publish's deadline, so publishes wait it out as an outage.
         try:
             await asyncio.wait_for(nc.connect(
-                servers=[url], name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+                servers=servers, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
                 reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
                 connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
                 pending_size=64 * MiB, drain_timeout=10, error_cb=events.on_error,

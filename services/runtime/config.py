@@ -82,7 +82,8 @@ class RunSettings(Settings):
     """What every service of one run agrees on.  Few primary knobs; the rest is derived."""
 
     run: str = Field("demo", description="Run name: the namespace rl.<run>.… of every subject and stream.")
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL (rlbus up sets it to its embedded server).")
+    nats_url: str = Field("nats://127.0.0.1:4222", description=(
+        "NATS server URL, or the members of a cluster separated by commas (rlbus up sets it to its embedded server)."))
     model_name: str = Field("policy", description="Logical model name: the WEIGHTS subject token.")
     model_path: str = Field("models/tiny-addition", description="Hugging Face folder of the initial policy.")
     pools: list[str] = Field(default_factory=lambda: ["train"], description="Task pools that are trained on.")
@@ -108,6 +109,14 @@ class RunSettings(Settings):
                 f"[run.retention] scored_keep_steps = {self.retention.scored_keep_steps} is below 4 x (max_staleness + 2) "
                 f"= {need}: SCORED would drop groups before they are trained; raise it to at least {need}")
         return self
+
+    @field_validator("nats_url")
+    @classmethod
+    def _urls(cls, v: str) -> str:
+        from bus.urls import server_urls
+
+        server_urls(v)  # raises naming the member that is no NATS URL
+        return v
 
     @field_validator("run", "model_name")
     @classmethod

@@ -49,3 +49,19 @@ async def test_a_service_started_before_its_server_waits_for_it_and_runs(tmp_pat
     finally:
         children.stop(10.0)
         await server.astop()
+
+
+async def test_a_url_list_connects_to_the_member_that_is_up(tmp_path: Path) -> None:
+    """``nats_url`` names a cluster's members separated by commas (deploy/compose.yaml does): the
+    client tries them in turn, so a member that is down costs nothing."""
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.astart()
+    try:
+        bus = await JetStreamBus.connect(f"nats://127.0.0.1:{_free_port()},{server.url}", "urls", name="probe")
+        try:
+            await bus.publish(bus.subjects.tasks("train"), b"x", msg_id="t1")
+            assert bus.connection.nc.connected_url.port == server.port
+        finally:
+            await bus.close()
+    finally:
+        await server.astop()

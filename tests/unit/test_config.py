@@ -245,3 +245,15 @@ def test_a_variable_cannot_open_a_table_where_the_file_has_a_value(tmp_path, mon
     monkeypatch.setenv("RLBUS_TRAINER__OBJECTIVE__IS_CAP", "3")
     with pytest.raises(ConfigError, match=r"\[trainer\] objective is a value in the config file"):
         load(path, TrainerSettings, "trainer")
+
+
+def test_nats_url_takes_the_members_of_a_cluster_and_names_a_bad_one(monkeypatch):
+    # The compose file's value, as its environment variable carries it.
+    monkeypatch.setenv("RLBUS_RUN__NATS_URL", '"nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"')
+    run, _ = load(None, RewardSettings, "reward")
+    from bus.urls import server_urls
+
+    assert server_urls(run.nats_url) == ["nats://nats-1:4222", "nats://nats-2:4222", "nats://nats-3:4222"]
+    monkeypatch.setenv("RLBUS_RUN__NATS_URL", '"nats://nats-1:4222,nats-2:4222"')
+    with pytest.raises(ConfigError, match=r"'nats-2:4222' is not a NATS server URL.*scheme://host:port"):
+        load(None, RewardSettings, "reward")
