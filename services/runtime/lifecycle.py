@@ -81,8 +81,9 @@ def log_where_everything_waits() -> None:
     is waiting on (a pull, a request, a lock), which no metric can."""
     tasks = [f"{task.get_name()}: {' <- '.join(reversed(_await_chain(task.get_coro())))}"[-2000:]
              for task in asyncio.all_tasks()]
-    threads = {t.name: "".join(traceback.format_stack(sys._current_frames()[t.ident], limit=8))[-2000:]
-               for t in threading.enumerate() if t.ident in sys._current_frames()}
+    frames = sys._current_frames()
+    threads = {t.name: "".join(traceback.format_stack(frames[t.ident], limit=8))[-2000:]
+               for t in threading.enumerate() if t.ident in frames}
     log.warning("where_everything_waits", tasks=tasks, threads=threads)
 
 

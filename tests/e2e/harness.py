@@ -10,7 +10,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bus.jetstream import JetStreamBus
 from bus.server import EmbeddedServer
@@ -20,6 +20,8 @@ from services.catalog import SINGLETONS
 from services.up.monitor import load_metrics
 from services.up.procs import Child, Children
 from services.up.tomlw import dumps
+
+T = TypeVar("T")
 
 
 class Pipeline:
@@ -110,18 +112,25 @@ class Pipeline:
 
 async def wait_heartbeat(bus: JetStreamBus, pred: Callable[[Heartbeat], bool], timeout: float) -> Heartbeat:
     """The first heartbeat (from now) satisfying ``pred``; fails with a clear message on timeout."""
-    w = bus.watch(bus.subjects.all_of("metrics"), deliver="last_per_subject")
+    return await wait_message(bus, bus.subjects.all_of("metrics"), Heartbeat.decode, pred, timeout, "heartbeat")
+
+
+async def wait_message(bus: JetStreamBus, subject: str, decode: Callable[[bytes], T], pred: Callable[[T], bool],
+                       timeout: float, what: str) -> T:
+    """The first message on ``subject`` (the last per subject, then new ones) that decodes and
+    satisfies ``pred``; on timeout an ``AssertionError`` with every service's last words."""
+    w = bus.watch(subject, deliver="last_per_subject")
     try:
         async with asyncio.timeout(timeout):
             async for d in w:
                 try:
-                    hb = Heartbeat.decode(d.msg)
+                    msg = decode(d.msg)
                 except SchemaError:
                     continue
-                if pred(hb):
-                    return hb
+                if pred(msg):
+                    return msg
     except TimeoutError:
-        raise AssertionError(f"no heartbeat as awaited within {timeout:.0f} s; last words:\n"
+        raise AssertionError(f"no {what} as awaited within {timeout:.0f} s; last words:\n"
                              f"{await last_words(bus)}") from None
     finally:
         await w.aclose()

@@ -29,7 +29,7 @@ import pytest
 from schemas import Control, Rollout, RolloutGroup, Shard, Task, WeightManifest
 from schemas.control import Stall
 from services.tasks.addition import make_split
-from tests.e2e.harness import Pipeline, checkpoint_state, last_words, wait_heartbeat
+from tests.e2e.harness import Pipeline, checkpoint_state, last_words, wait_heartbeat, wait_message
 from tests.integration.helpers import dead_letters
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -245,18 +245,10 @@ async def settle(p: Pipeline, bus, n_total: int) -> dict:
 async def next_stall(bus, s, pred, *, since: float, timeout: float = STEP_TIMEOUT) -> Stall:
     """The first stall record (or its clearing) the controller publishes after ``since`` that
     satisfies ``pred``: read from CONTROL, where ``rlbus status`` reads it."""
-    w = bus.watch(s.control_action("controller", "controller-0", "stall"), deliver="last_per_subject")
-    try:
-        async with asyncio.timeout(timeout):
-            async for d in w:
-                ctl = Control.decode(d.msg)
-                if ctl.issued_at > since and isinstance(ctl.decision, Stall) and pred(ctl.decision):
-                    return ctl.decision
-    except TimeoutError:
-        raise AssertionError(f"no such stall record within {timeout:.0f} s:\n{await last_words(bus)}") from None
-    finally:
-        await w.aclose()
-    raise AssertionError("unreachable")
+    ctl = await wait_message(
+        bus, s.control_action("controller", "controller-0", "stall"), Control.decode,
+        lambda c: c.issued_at > since and isinstance(c.decision, Stall) and pred(c.decision), timeout, "stall record")
+    return ctl.decision
 
 
 def dead_task_id(d) -> str:

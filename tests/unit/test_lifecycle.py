@@ -6,12 +6,14 @@ and nats-py's publish goes through it)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -174,20 +176,29 @@ SERVICE = textwrap.dedent("""
 """)
 
 
-def test_sigterm_stops_a_service_whose_worker_ignores_cancellation(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def ready_service(tmp_path: Path, source: str) -> Iterator[subprocess.Popen[str]]:
+    """``source`` run as a service process (stdout and stderr in one pipe), once it printed
+    'ready'; killed by pid on the way out if it is still running."""
     script = tmp_path / "svc.py"
-    script.write_text(SERVICE)
+    script.write_text(source)
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready"
-        proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_sigterm_stops_a_service_whose_worker_ignores_cancellation(tmp_path: Path) -> None:
+    with ready_service(tmp_path, SERVICE) as proc:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0
     assert "stopped" in out
 
@@ -213,24 +224,13 @@ WAITER = textwrap.dedent("""
 
 
 def test_sigusr1_logs_where_every_task_and_thread_waits_and_the_service_goes_on(tmp_path: Path) -> None:
-    script = tmp_path / "svc.py"
-    script.write_text(WAITER)
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().strip() == "ready"
+    with ready_service(tmp_path, WAITER) as proc:
         proc.send_signal(signal.SIGUSR1)
         proc.send_signal(signal.SIGUSR2)
         time.sleep(1.0)
         assert proc.poll() is None, "the dump must not stop the service"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0, out
     dump = next(line for line in out.splitlines() if "where_everything_waits" in line)
     assert "batch-loop: " in dump and "pull_that_never_returns" in dump, dump
