@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -50,6 +50,8 @@ from bus.streams import ensure_consumer, ensure_streams, limit_key
 from bus.subjects import Subjects
 from bus.urls import BadServerURL, server_urls
 from observability.logging import get_logger
+
+T = TypeVar("T")
 
 KiB, MiB = 1024, 1024 * 1024
 CLAIM_HEADROOM = 512 * KiB
@@ -174,10 +176,16 @@ class Connection:
 
     async def ensure_streams(self) -> None:
         """Declare the run's streams, riding out a server that goes away meanwhile (idempotent)."""
-        await through_outage(
+        await self.through_outage(
             lambda: ensure_streams(self.js, self.subjects, retention=self.retention, log=self.log),
-            f"declaring the streams of run {self.subjects.run!r}", connected=lambda: bool(self.nc.is_connected),
-            deadline=self.publisher.deadline, outage=self.publisher.outage)
+            f"declaring the streams of run {self.subjects.run!r}")
+
+    async def through_outage(self, op: Callable[[], Awaitable[T]], what: str) -> T:
+        """Run the idempotent request ``op`` until the server answers, bounded like a publish: what
+        a service must know before it can start (its durable, the newest weight version) waits out
+        a server lost in the seconds after connecting instead of ending the service."""
+        return await through_outage(op, what, connected=lambda: bool(self.nc.is_connected),
+                                    deadline=self.publisher.deadline, outage=self.publisher.outage)
 
     def full_error(self, subject_or_stream: str, why: str) -> StreamFull:
         """The ``StreamFull`` of a publish (or object put) refused at a discard-new limit."""
@@ -260,7 +268,8 @@ class Connection:
         Returns the stream name."""
         stream = self.subjects.stream(spec.stream)
         if spec not in self._consumers_ok:  # by spec: a changed spec is declared (updated) again
-            await ensure_consumer(self.js, self.subjects, spec, log=self.log)
+            await self.through_outage(lambda: ensure_consumer(self.js, self.subjects, spec, log=self.log),
+                                      f"declaring the durable {spec.durable!r} of {stream}")
             self._consumers_ok.add(spec)
         self.max_deliveries.start()
         return stream
@@ -283,12 +292,20 @@ class Connection:
             pending_bytes_limit=512 * MiB,
         )
 
-    async def last_msg(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
-        """The newest stored message on ``subject`` (resolved), or None."""
-        try:
-            with api_errors(f"the last message on {subject!r}"):
-                raw = await self.js.get_last_msg(stream, subject, direct=True)
-        except NotFoundError:
+    async def last_msg(self, stream: str, subject: str, *, wait: bool = False) -> tuple[bytes, dict[str, str]] | None:
+        """The newest stored message on ``subject`` (resolved), or None.  ``wait``: ride out an
+        outage (``through_outage``) instead of raising ``ServerUnavailable`` at once."""
+        what = f"the last message on {subject!r}"
+
+        async def get() -> Any:
+            try:
+                with api_errors(what):
+                    return await self.js.get_last_msg(stream, subject, direct=True)
+            except NotFoundError:
+                return None
+
+        raw = await (self.through_outage(get, what) if wait else get())
+        if raw is None:
             return None
         data, headers, _ = await self.resolve(raw.data or b"", dict(raw.headers or {}))
         return data, headers

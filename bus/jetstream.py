@@ -203,9 +203,9 @@ class JetStreamBus:
         self._watches.add(w)
         return w
 
-    async def last(self, subject: str) -> bytes | None:
+    async def last(self, subject: str, *, wait: bool = False) -> bytes | None:
         self.connection.check_open()
-        got = await self.connection.last_msg(self.subjects.stream(stream_kind_of(subject)), subject)
+        got = await self.connection.last_msg(self.subjects.stream(stream_kind_of(subject)), subject, wait=wait)
         return None if got is None else got[0]
 
     # --- introspection -----------------------------------------------------------------

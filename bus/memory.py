@@ -512,8 +512,8 @@ class MemoryBus:
         self._check_open()
         return _MemWatch(self, subject, deliver)
 
-    async def last(self, subject: str) -> bytes | None:
-        self._check_open()
+    async def last(self, subject: str, *, wait: bool = False) -> bytes | None:
+        self._check_open()  # never away: ``wait`` has nothing to wait for
         for s in reversed(self._streams[stream_kind_of(subject)]):
             if s.subject == subject:
                 return s.data

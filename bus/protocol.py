@@ -217,8 +217,10 @@ class Bus(Protocol):
         """Ordered, ephemeral read of a limits stream (weights, control, metrics)."""
         ...
 
-    async def last(self, subject: str) -> bytes | None:
-        """The newest message on ``subject`` (e.g. the latest weight version), or None."""
+    async def last(self, subject: str, *, wait: bool = False) -> bytes | None:
+        """The newest message on ``subject`` (e.g. the latest weight version), or None.  A server
+        that does not answer raises ``ServerUnavailable`` at once, or with ``wait`` is waited for
+        like a publish waits (what a service must read before it can start)."""
         ...
 
     async def dead_letter(

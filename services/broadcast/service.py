@@ -156,7 +156,7 @@ class BroadcastService:
         starting: it is skipped with a warning and the newest readable one before it is taken, or
         none (the version numbering then rests on the uploads still to come)."""
         subject = self.subjects.weights(self.run_cfg.model_name)
-        latest_raw = await self.bus.last(subject)
+        latest_raw = await self.bus.last(subject, wait=True)
         if latest_raw is None:
             return
         try:

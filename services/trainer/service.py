@@ -80,7 +80,7 @@ async def highest_version_used(bus: Bus, subjects: Subjects, model_name: str, bo
     published.  Not the newest message on the uploads subject: nothing has verified it yet, and a
     forged or broken upload (which weight-broadcast refuses) must not move the numbering."""
     used = book.highest
-    raw = await bus.last(subjects.weights(model_name))
+    raw = await bus.last(subjects.weights(model_name), wait=True)
     if raw is not None:
         try:
             used = max(used, WeightManifest.decode(raw).version)

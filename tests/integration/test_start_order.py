@@ -65,3 +65,37 @@ async def test_a_url_list_connects_to_the_member_that_is_up(tmp_path: Path) -> N
             await bus.close()
     finally:
         await server.astop()
+
+
+async def test_what_a_service_reads_before_it_starts_waits_out_a_server_lost_after_connect(tmp_path: Path) -> None:
+    """The trainer reads the newest weight version and declares its durable, weight-broadcast reads
+    the newest manifest, before either runs: a server lost in the seconds after connecting is
+    waited for (like a publish waits) instead of ending the service with ServerUnavailable."""
+    import asyncio
+
+    from schemas import Task
+    from tests.conftest import BUS_TEST_OPTIONS
+    from tests.integration.helpers import task_spec
+
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.astart()
+    bus = await JetStreamBus.connect(server.url, "lost", name="trainer", **BUS_TEST_OPTIONS)
+    try:
+        weights = bus.subjects.weights("policy")
+        await bus.publish(weights, b"v3", msg_id="w3")
+        await server.astop()
+        newest = asyncio.create_task(bus.last(weights, wait=True))
+        durable = asyncio.create_task(bus.connection.ensure_consumer(task_spec(bus)))
+        await asyncio.sleep(12.0)  # longer than a JetStream API request waits for its answer (10 s)
+        assert not newest.done() and not durable.done(), "a start-up read gave up while the server was away"
+        await server.astart()
+        assert await asyncio.wait_for(newest, 60) == b"v3"
+        assert await asyncio.wait_for(durable, 60) == bus.subjects.stream("TASKS")
+        await bus.publish(bus.subjects.tasks("math"), Task(run="lost", task_id="t1", pool="math", env="addition",
+                                                           prompt="1+1=").encode(), msg_id="t1")
+        got = await bus.puller(task_spec(bus), Task.decode).fetch(1, timeout=5.0)
+        assert [d.msg.task_id for d in got] == ["t1"]
+        await got[0].ack()
+    finally:
+        await bus.close()
+        await server.astop()
