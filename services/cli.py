@@ -24,7 +24,11 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--no-view", action="store_true", help="plain log lines instead of the live view")
 
     serve = sub.add_parser("serve", help="run one service")
-    serve.add_argument("service", choices=list(SERVICES), help="which service to run")
+    # Not argparse choices: a named instance (generator-1, what systemd's rlbus@generator-1 passes)
+    # is checked by services.serve, whose error lists the services.
+    serve.add_argument("service", metavar="SERVICE[-SUFFIX]",
+                       help=f"which service to run ({', '.join(SERVICES)}); with a suffix, the instance name "
+                            "(generator-1 runs a generator with instance generator-1)")
     serve.add_argument("--config", default=None, help="run config TOML")
     serve.add_argument("--nats-url", default=None, help="override [run].nats_url")
 

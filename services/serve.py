@@ -1,4 +1,10 @@
-"""``rlbus serve <service>``: parse config cheaply, set the thread budget, then import and run.
+"""``rlbus serve <unit>``: parse config cheaply, set the thread budget, then import and run.
+
+``<unit>`` is a service name (``generator``: its instance comes from the config, ``gen-0`` by
+default) or a service name with a suffix (``generator-1``: the generator whose instance is
+``generator-1``).  The second form is what a systemd template passes (``rlbus@generator-1`` runs
+``rlbus serve %i``), so one unit file serves every replica and the unit name is the instance name
+seen on the bus.
 
 Thread variables must be set before torch is imported (its pools size themselves at import),
 which is why heavy imports happen only after config parsing.
@@ -11,6 +17,7 @@ import importlib
 import os
 import sys
 
+from bus.subjects import SubjectError, Subjects
 from services.catalog import SERVICES, ServiceEntry
 from services.runtime.config import ConfigError, RunSettings, Settings, load
 
@@ -20,11 +27,42 @@ def _settings_class(path: str) -> type[Settings]:
     return getattr(importlib.import_module(mod), cls)  # type: ignore[no-any-return]
 
 
-def resolve(service: str, config: str | None) -> tuple[ServiceEntry, RunSettings, Settings]:
-    if service not in SERVICES:
-        raise ConfigError(f"unknown service {service!r}; choose one of {', '.join(SERVICES)}")
-    entry = SERVICES[service]
+def parse_unit(unit: str) -> tuple[ServiceEntry, str | None]:
+    """``generator`` -> (the generator, None: the config's instance); ``generator-1`` -> (the
+    generator, ``"generator-1"``).  The role is the longest catalog name followed by ``-`` and a
+    non-empty suffix; the instance is the whole unit name, so it stays unique across roles."""
+    if unit in SERVICES:
+        return SERVICES[unit], None
+    roles = sorted((n for n in SERVICES if unit.startswith(f"{n}-") and len(unit) > len(n) + 1), key=len)
+    if not roles:
+        raise ConfigError(f"unknown service {unit!r}: name one of {', '.join(SERVICES)}, or one of them with a "
+                          "suffix for a named instance (generator-1 runs the generator with instance generator-1)")
+    return SERVICES[roles[-1]], unit
+
+
+def _with_instance(cfg: Settings, entry: ServiceEntry, instance: str) -> Settings:
+    """``cfg`` with the unit name's instance.  A config that names another instance is an error,
+    not silently overridden: two sources disagreeing about a replica's identity is a mistake."""
+    if "instance" not in type(cfg).model_fields:
+        raise ConfigError(f"service {entry.name!r} has no instance setting; run it as `rlbus serve {entry.name}`")
+    try:
+        Subjects("run").metrics(entry.name, instance)  # the instance is a token of its metrics subject
+    except SubjectError as exc:
+        raise ConfigError(f"instance from the unit name: {exc}") from None
+    configured = getattr(cfg, "instance", None)
+    if "instance" in cfg.model_fields_set and configured != instance:
+        raise ConfigError(
+            f"[{entry.name}] instance = {configured!r} (config file or RLBUS_{entry.name.upper()}__INSTANCE) "
+            f"disagrees with the unit name's instance {instance!r}: drop that key, or serve plain "
+            f"`{entry.name}` to take the instance from the config")
+    return cfg.model_copy(update={"instance": instance})
+
+
+def resolve(unit: str, config: str | None) -> tuple[ServiceEntry, RunSettings, Settings]:
+    entry, instance = parse_unit(unit)
     run_cfg, cfg = load(config, _settings_class(entry.settings), entry.name)
+    if instance is not None:
+        cfg = _with_instance(cfg, entry, instance)
     return entry, run_cfg, cfg
 
 
@@ -62,11 +100,13 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
         log.info("stopped")
 
 
-def serve(service: str, config: str | None, nats_url: str | None = None) -> int:
+def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
+    """Run one service until stopped; ``unit`` is ``<service>`` or ``<service>-<suffix>`` (see the
+    module docstring).  Exit status 2: the unit name or the config is wrong (no restart helps)."""
     try:
-        entry, run_cfg, cfg = resolve(service, config)
+        entry, run_cfg, cfg = resolve(unit, config)
     except ConfigError as exc:
-        print(f"rlbus serve {service}: {exc}", file=sys.stderr)
+        print(f"rlbus serve {unit}: {exc}", file=sys.stderr)
         return 2
     if entry.torch:
         set_thread_budget(int(getattr(cfg, "threads", 1)))
