@@ -164,6 +164,18 @@ def test_metrics_port_is_off_by_default_and_checked() -> None:
         RunSettings(metrics_port=70_000)
 
 
+def test_rlbus_up_gives_each_service_its_own_metrics_port() -> None:
+    from services.runtime.config import ConfigError
+    from services.up.main import metrics_ports
+
+    names = ["environment", "reward", "generator-0", "generator-1"]
+    ports = metrics_ports(9464, names)
+    assert [int(ports[n]["RLBUS_RUN__METRICS_PORT"]) for n in names] == [9464, 9465, 9466, 9467]
+    assert metrics_ports(0, names) == {}  # off
+    with pytest.raises(ConfigError, match="metrics_port"):
+        metrics_ports(65_534, names)
+
+
 # ---- the Grafana dashboard ----------------------------------------------------------------------
 
 
