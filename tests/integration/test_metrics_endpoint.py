@@ -10,10 +10,17 @@ with a message naming the key to change, rather than running without metrics.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
+import shutil
 import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -120,3 +127,91 @@ async def test_a_running_service_serves_exactly_its_heartbeat_on_metrics(tmp_pat
             assert p.by_name["reward"].proc.poll() is None  # the first one is untouched
         finally:
             await bus.close()
+
+
+# ---- the dashboard's queries on a real Prometheus -----------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "observability" / "grafana" / "rlbus.json"
+# Which service's heartbeat carries a key, by its first path segment (the rest are the trainer's).
+_SERVICE_OF = {"generator": "generator", "controller": "controller", "reward": "reward", "environment": "environment",
+               "broadcast": "broadcast"}
+_FILL = {"pool": "math", "generator": "gen-0", "outcome": "train", "versions": "0", "part": "pg", "measure": "k3_kl"}
+
+
+def heartbeats_of_every_mapped_key(seq: int) -> list[Heartbeat]:
+    """One heartbeat per service holding each key it maps, placeholders filled, counters at ``seq``."""
+    from observability.metrics import MAPPED
+
+    metrics: dict[str, dict[str, float]] = {}
+    for m in MAPPED:
+        key = m.key
+        for name, value in _FILL.items():
+            key = key.replace("{" + name + "}", value)
+        metrics.setdefault(_SERVICE_OF.get(key.split("/")[0], "trainer"), {})[key] = float(seq)
+    metrics["trainer"] |= {"mismatch/abs_diff_mean": 1e-7, "mismatch/abs_diff_max": 1e-6, "mismatch/ess": 0.99}
+    return [Heartbeat(service=s, instance="0" if s != "generator" else "gen-0", seq=seq, ts=time.time(), metrics=m,
+                      version=seq) for s, m in metrics.items()]
+
+
+def _prometheus_config(path: Path, target_port: int) -> None:
+    path.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n  - job_name: rlbus\n    honor_labels: true\n"
+                    f"    static_configs:\n      - targets: ['127.0.0.1:{target_port}']\n")
+
+
+def _query(port: int, expr: str) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return json.loads(r.read())  # type: ignore[no-any-return]
+    except urllib.error.HTTPError as exc:  # a query Prometheus refuses (400) says why in its body
+        return json.loads(exc.read())  # type: ignore[no-any-return]
+
+
+@pytest.mark.skipif(shutil.which("prometheus") is None, reason="the Prometheus server is not installed")
+async def test_every_dashboard_query_parses_and_finds_data_on_a_real_prometheus(tmp_path: Path) -> None:
+    from observability.metrics import MetricsEndpoint
+
+    endpoint = MetricsEndpoint(_free_port(), run=RUN, addr="127.0.0.1")
+    endpoint.start()
+    prom_port = _free_port()
+    _prometheus_config(tmp_path / "prometheus.yml", endpoint.port)
+    log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed in finally
+    prom = subprocess.Popen(["prometheus", f"--config.file={tmp_path / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for hb in heartbeats_of_every_mapped_key(1):
+            endpoint.heartbeats.observe(hb)
+        async with asyncio.timeout(60):  # up, and one scrape in
+            while not (await asyncio.to_thread(_query_or_none, prom_port, "rlbus_heartbeat_seq")):
+                await asyncio.sleep(0.5)
+        for hb in heartbeats_of_every_mapped_key(2):  # counters move, so rate() and increase() have data
+            endpoint.heartbeats.observe(hb)
+        async with asyncio.timeout(30):
+            while not await asyncio.to_thread(_query_or_none, prom_port, "rlbus_heartbeat_seq == 2"):
+                await asyncio.sleep(0.5)
+        dashboard = json.loads(DASHBOARD.read_text())
+        exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+        refused, empty = {}, []
+        for expr in exprs:
+            answer = await asyncio.to_thread(_query, prom_port, expr.replace("$run", RUN))
+            if answer["status"] != "success":
+                refused[expr] = answer.get("error")
+            elif not answer["data"]["result"]:
+                empty.append(expr)
+        assert not refused, f"Prometheus refuses these dashboard queries: {refused}"
+        assert not empty, f"these dashboard queries find no data although every mapped metric is exported: {empty}"
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
+        log.close()
+        endpoint.stop()
+
+
+def _query_or_none(port: int, expr: str) -> list[Any] | None:
+    """The result of an instant query, None while Prometheus is not up yet."""
+    try:
+        answer = _query(port, expr)
+    except OSError:
+        return None
+    return answer["data"]["result"] if answer.get("status") == "success" else None
