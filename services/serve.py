@@ -74,6 +74,7 @@ def set_thread_budget(threads: int) -> None:
 async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_url: str | None) -> None:
     from bus.jetstream import JetStreamBus
     from observability.logging import configure_logging
+    from observability.metrics import serve_metrics, stop_metrics
     from observability.tracing import configure_tracing, shutdown_tracing
     from services.runtime.lifecycle import Lifecycle
 
@@ -88,16 +89,23 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
     module = importlib.import_module(entry.module)
     life = Lifecycle()
     life.install_signal_handlers()
+    if run_cfg.metrics_port:
+        # Before the bus: a port another replica holds fails the start at once, not after connecting.
+        serve_metrics(run_cfg.metrics_port, run=run_cfg.run)
+        log.info("metrics_endpoint", url=f"http://0.0.0.0:{run_cfg.metrics_port}/metrics")
     # A server that is down when the service starts is waited for like an outage mid-run
     # ([run] publish_outage_s), so services and servers can start in any order.
-    bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.name}-{instance}",
-                                     connect_timeout=run_cfg.publish_outage_s, **run_cfg.bus_options())
     try:
-        await module.run(run_cfg, cfg, bus=bus, life=life)
+        bus = await JetStreamBus.connect(nats_url or run_cfg.nats_url, run_cfg.run, name=f"{entry.name}-{instance}",
+                                         connect_timeout=run_cfg.publish_outage_s, **run_cfg.bus_options())
+        try:
+            await module.run(run_cfg, cfg, bus=bus, life=life)
+        finally:
+            await bus.close()
+            shutdown_tracing()
+            log.info("stopped")
     finally:
-        await bus.close()
-        shutdown_tracing()
-        log.info("stopped")
+        stop_metrics()
 
 
 def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
@@ -110,5 +118,11 @@ def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
         return 2
     if entry.torch:
         set_thread_budget(int(getattr(cfg, "threads", 1)))
-    asyncio.run(_main(entry, run_cfg, cfg, nats_url))
+    from observability.metrics import MetricsError
+
+    try:
+        asyncio.run(_main(entry, run_cfg, cfg, nats_url))
+    except MetricsError as exc:
+        print(f"rlbus serve {service}: {exc}", file=sys.stderr)
+        return 2
     return 0

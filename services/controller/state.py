@@ -174,7 +174,9 @@ class QueueState:
 
     def metrics(self) -> dict[str, float]:
         m: dict[str, float] = {"controller/queue/scored/pending": self.scored_pending,
-                               "controller/queue/scored/ack_pending": self.scored_ack_pending}
+                               "controller/queue/scored/ack_pending": self.scored_ack_pending,
+                               "controller/queue/rollouts/pending": self.rollouts_pending,
+                               "controller/queue/dead/messages": self.dead}
         for p in self.backlog:
             m |= {f"controller/queue/tasks/{p}/pending": self.backlog[p], f"controller/queue/tasks/{p}/ack_pending":
                   self.held.get(p, 0), f"controller/queue/tasks/{p}/redelivered": self.redelivered.get(p, 0)}

@@ -100,6 +100,10 @@ class RunSettings(Settings):
     publish_outage_s: float = Field(900.0, ge=1.0, le=86_400.0, description=(
         "Seconds a publish waits for an unreachable NATS server before the service gives up (its input stays "
         "un-acked and is redelivered): a server restart or outage shorter than this only pauses the run."))
+    metrics_port: int = Field(0, ge=0, le=65_535, description=(
+        "TCP port of the service's Prometheus endpoint (path /metrics, all interfaces), 0 = none. One process "
+        "serves one port: replicas on one host each need their own, e.g. RLBUS_RUN__METRICS_PORT in each "
+        "systemd instance's environment file."))
 
     @model_validator(mode="after")
     def _scored_outlives_the_window(self) -> RunSettings:

@@ -6,6 +6,10 @@ heartbeat must not be what stops a service during a server outage.  Each send is
 ``send_timeout`` so a beat never waits out the bus's (long) publish outage deadline; the loop
 simply tries again next period, and the first beat after the server returns reports the current
 state.  Only a closed bus ends the loop.
+
+Each heartbeat built is also handed to the process's Prometheus endpoint (``observability.metrics``,
+when ``[run] metrics_port`` serves one) before it is published: a scrape shows the same values, and
+goes on showing them while the server is away.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 
 from bus.protocol import Bus, BusClosed
 from bus.subjects import Subjects
+from observability import metrics as prometheus
 from observability.logging import get_logger
 from schemas import Heartbeat
 from services.runtime.lifecycle import Lifecycle
@@ -55,6 +60,7 @@ class Beat:
                 metrics.update(self.extra())
             hb = Heartbeat(service=self.service, instance=self.instance, seq=self.seq, ts=time.time(),
                            state=self.state, version=self.version, metrics=metrics, info=self.info)
+            prometheus.observe(hb)
             async with asyncio.timeout(self.send_timeout):
                 await self.bus.publish(self.subject, hb.encode(), msg_id=hb.msg_id)
         except BusClosed:

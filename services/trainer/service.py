@@ -50,6 +50,7 @@ from services.runtime.lifecycle import Lifecycle
 from services.runtime.weights import make_transport
 from services.trainer import checkpoint
 from services.trainer.batch import Assembler, GroupDecision
+from services.trainer.board import StepBoard
 from services.trainer.commit import Committer
 from services.trainer.counters import Counters
 from services.trainer.intake import Intake, consumer_spec
@@ -121,7 +122,9 @@ class TrainerLoop:
                             model_name=run_cfg.model_name, transport_kind=cfg.transport, book=book)
         assembler = Assembler(batch_groups=run_cfg.batch_groups, max_staleness=run_cfg.max_staleness,
                               lineage=book.lineage, limits=policy.limits)
-        telemetry = Telemetry(Beat(bus, subjects, "trainer", cfg.instance, period=1.0), counters, assembler, committer)
+        board = StepBoard(run_dir / "tensorboard", resumed_at=committer.step)
+        telemetry = Telemetry(Beat(bus, subjects, "trainer", cfg.instance, period=1.0), counters, assembler, committer,
+                              board)
         resumed = committer.resume(await highest_version_used(bus, subjects, run_cfg.model_name, book))
         telemetry.set_version(committer.version)
         if resumed:
@@ -149,6 +152,7 @@ class TrainerLoop:
             if self.committer.unacked:
                 await self.committer.commit()
         finally:
+            self.telemetry.close()
             await self.intake.release()
 
     async def _loop(self) -> None:
@@ -188,7 +192,8 @@ class TrainerLoop:
         metrics.update(batch_stats)
         metrics.update({"time/checkpoint_s": ckpt_s, "time/weight_upload_s": self.uploader.last_upload_s,
                         "time/step_total_s": time.perf_counter() - t_busy})
-        self.telemetry.publish({k if "/" in k else f"train/{k}": float(v) for k, v in metrics.items()})
+        self.telemetry.publish_step(self.committer.step,
+                                    {k if "/" in k else f"train/{k}": float(v) for k, v in metrics.items()})
         self.telemetry.set_version(self.committer.version)
         await self.telemetry.send()  # one heartbeat per step carries that step's metrics
         log.info("step", step=self.committer.step, version=self.committer.version,

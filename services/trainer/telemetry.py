@@ -3,7 +3,9 @@
 Names that another service reads come from ``schemas.metric_keys`` (the controller's admission
 and balance accounting, ``rlbus up``, ``rlbus status``); the rest are for people.  Per-process
 counts (group outcomes, ``trainer/idle_s``) start from zero in each trainer process; the run
-totals (``trainer/groups_trained_total`` …) continue from the checkpoint.
+totals (``trainer/groups_trained_total`` …) continue from the checkpoint.  What a step's heartbeat
+carries also goes to TensorBoard (``board.StepBoard``), and to Prometheus with every beat
+(``observability.metrics``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
 from services.trainer.batch import Assembler
+from services.trainer.board import StepBoard
 from services.trainer.commit import Committer
 from services.trainer.counters import Counters
 
@@ -21,8 +24,10 @@ _BREAKDOWN = (*OUTCOMES, STALE_HELD)
 
 
 class Telemetry:
-    def __init__(self, beat: Beat, counters: Counters, assembler: Assembler, committer: Committer) -> None:
+    def __init__(self, beat: Beat, counters: Counters, assembler: Assembler, committer: Committer,
+                 board: StepBoard | None = None) -> None:
         self._beat = beat
+        self._board = board
         self._counters = counters
         self._assembler = assembler
         self._committer = committer
@@ -56,6 +61,17 @@ class Telemetry:
                 m[TrainerKeys.generator_groups(generator, outcome)] = counts[outcome]
         if extra:
             m.update(extra)
+
+    def publish_step(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A step's metrics: into the next heartbeat, and the heartbeat's whole set (the counters
+        with them) to TensorBoard at this step."""
+        self.publish(metrics)
+        if self._board is not None:
+            self._board.write(step, self._beat.metrics)
+
+    def close(self) -> None:
+        if self._board is not None:
+            self._board.close()
 
     async def send(self) -> None:
         """One heartbeat now (a step's metrics, or drops the controller should hear of at once)."""

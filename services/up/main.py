@@ -26,6 +26,17 @@ from services.up.settings import UpSettings
 from services.up.tomlw import dumps
 
 
+def metrics_ports(base: int, names: list[str]) -> dict[str, dict[str, str]]:
+    """Each child's ``RLBUS_RUN__METRICS_PORT`` when ``[run] metrics_port`` is set: every service of
+    ``rlbus up`` runs on this host and one port serves one process, so they take base, base + 1, …"""
+    if not base:
+        return {}
+    if base + len(names) - 1 > 65_535:
+        raise ConfigError(f"[run] metrics_port = {base} leaves no room for {len(names)} services (base .. base + "
+                          f"{len(names) - 1}); choose a lower port")
+    return {name: {"RLBUS_RUN__METRICS_PORT": str(base + k)} for k, name in enumerate(names)}
+
+
 def backend_missing(backend: str) -> str | None:
     """Why the chosen generator backend cannot run on this install, or None.  `make up` installs
     only what its default (PyTorch) backend needs; vLLM is an extra of several GB."""
@@ -99,6 +110,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         if steps:
             overrides["max_steps"] = steps
         up_cfg = up_cfg.model_copy(update=overrides)
+        ports = metrics_ports(run_cfg.metrics_port, [*SINGLETONS, *(f"generator-{i}" for i in range(up_cfg.generators))])
     except ConfigError as exc:
         print(f"rlbus up: {exc}", file=sys.stderr)
         return 2
@@ -135,9 +147,13 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     code = 0
     try:
         for name in SINGLETONS:
-            children.start(name, name, resolved)
+            children.start(name, name, resolved, env=ports.get(name))
         for i in range(up_cfg.generators):
-            children.start(f"generator-{i}", "generator", resolved, env={"RLBUS_GENERATOR__INSTANCE": f'"gen-{i}"'})
+            children.start(f"generator-{i}", "generator", resolved,
+                           env={"RLBUS_GENERATOR__INSTANCE": f'"gen-{i}"', **ports.get(f"generator-{i}", {})})
+        if ports:
+            print("rlbus up: Prometheus metrics at " + ", ".join(
+                f"{name} :{env['RLBUS_RUN__METRICS_PORT']}/metrics" for name, env in ports.items()), flush=True)
         tasks = read_tasks(run_cfg, train)
         print(f"rlbus up: run folder {folder}; {len(tasks)} training tasks (fed as the backlog drains); "
               f"NATS at {server.url}", flush=True)

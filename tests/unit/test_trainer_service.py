@@ -243,6 +243,15 @@ def uploads(bus: MemoryBus) -> list[WeightManifest]:
     return [WeightManifest.decode(data) for s, data in bus.messages("WEIGHTS") if s == subject]
 
 
+def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """``{tag: [(step, value), …]}`` of the event files in ``folder``, read as TensorBoard reads them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
 def assert_every_ack_covered(bus: RecordingBus) -> None:
     """An ack only once the newest checkpoint on disk records the group, never as a duplicate."""
     for s in bus.settled:
@@ -261,8 +270,13 @@ async def test_groups_are_acked_only_once_a_checkpoint_covers_them(model_dir: Pa
                              *(trainable(f"t{i}") for i in range(2, 8)))
     trainer = Trainer(bus, run_cfg, cfg)
     hb = await trainer.until("done", lambda hb: hb is not None and hb.state == "done")
+    board = tensorboard_scalars(tmp_path / "tensorboard")  # readable while it runs: flushed at each step
     await trainer.stop()
 
+    # TensorBoard has every step, each with the values its heartbeat carried (the metrics.jsonl row).
+    assert [step for step, _ in board["batch/reward_mean"]] == [1, 2, 3, 4]
+    for tag in ("batch/reward_mean", "mismatch/k3_kl", "train/grad_norm", "staleness/mean", TrainerKeys.VERSION):
+        assert board[tag][-1] == (4, pytest.approx(hb.metrics[tag], rel=1e-6, abs=1e-12)), tag
     assert_every_ack_covered(bus)
     assert sorted(bus.acked()) == sorted(["f0", *(f"t{i}" for i in range(8))])  # each once
     # Nothing is acked before the first checkpoint (step 2), though step 1 trained two groups.
@@ -362,6 +376,10 @@ async def test_a_restarted_trainer_resumes_and_does_not_train_committed_groups_a
     versions = [m.version for m in uploads(bus)]
     assert versions == [1, 2, 3, 4, 5, 6]
     assert hb.metrics[TrainerKeys.VERSION] == 6
+    # TensorBoard shows each step once: the crashed trainer's step 3 (version 3) is hidden by the step 3
+    # trained again from the checkpoint (version 5).
+    board = tensorboard_scalars(tmp_path / "tensorboard")
+    assert board[TrainerKeys.VERSION] == [(1, 1), (2, 2), (3, 5), (4, 6)]
 
 
 async def test_a_graceful_stop_commits_what_was_trained_and_gives_back_the_rest(
