@@ -123,6 +123,6 @@ def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
     try:
         asyncio.run(_main(entry, run_cfg, cfg, nats_url))
     except MetricsError as exc:
-        print(f"rlbus serve {service}: {exc}", file=sys.stderr)
+        print(f"rlbus serve {unit}: {exc}", file=sys.stderr)
         return 2
     return 0
