@@ -68,6 +68,9 @@ def main() -> None:
     print(json.dumps({
         "code": str(code), "seconds": args.seconds, "spans": len(spans),
         "traces": len({s.trace_id for s in spans}), "trainer_step_spans": steps,
+        # heartbeats, control decisions, status: spans no one looks for a rollout in
+        "periodic_spans": sum(1 for s in spans if re.search(r"\.(metrics|control|status)\.", s.name)),
+        "groups_scored": sum(1 for s in spans if s.name.startswith("process ") and ".rollouts." in s.name),
         "by_service": dict(Counter(s.service for s in spans).most_common()),
         "by_name": dict(Counter(re.sub(r"[\d.-]+\d", "N", s.name) for s in spans).most_common(15)),
     }, indent=1))
