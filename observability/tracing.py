@@ -68,6 +68,10 @@ STALENESS_MAX = "rlbus.staleness.max"
 STALENESS_MEAN = "rlbus.staleness.mean"
 STEP = "rlbus.trainer.step"
 GROUPS = "rlbus.groups"
+GENERATOR_ID = "rlbus.generator_id"
+DELIVERIES = "rlbus.deliveries"  # which delivery of its task this is (a redelivery stays in the trace)
+EVAL = "rlbus.eval"  # a held-out task
+BATCH_GROUPS = "rlbus.batch_groups"  # groups sampled together in one backend call
 OUTCOME = "rlbus.outcome"  # what became of a task at a hop: published, handed_back, refused …
 ERROR = "rlbus.error"
 
@@ -174,6 +178,9 @@ def _valid(ctx: otel_context.Context | None) -> bool:
 def item_traces(spans: Sequence[trace.Span]) -> Iterator[None]:
     """While inside, a request sent on the bus carries the trace of each of its items (``spans``,
     in the request's item order) for the server's ``item_contexts``."""
+    if not any(s.get_span_context().is_valid for s in spans):  # tasks published without a trace
+        yield
+        return
     token = otel_context.attach(otel_context.set_value(_ITEM_TRACES_KEY, tuple(traceparent(s) for s in spans)))
     try:
         yield

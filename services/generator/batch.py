@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bus.protocol import Bus, BusError
 from bus.subjects import SubjectError, Subjects
+from observability import tracing
 from observability.logging import get_logger
 from schemas import EnvReplyBatch, EnvResetBatch, RolloutGroup, SchemaError, Task
 from services.generator.backend import Backend
@@ -94,7 +95,7 @@ class BatchDriver:
             if not ready:
                 return
             t_sample = time.perf_counter()
-            with self.traces.calls([h for h, _ in ready], "sample", **{"rlbus.batch_groups": len(ready)}):
+            with self.traces.calls([h for h, _ in ready], "sample", **{tracing.BATCH_GROUPS: len(ready)}):
                 sampled = await self._sample(ready)
             if not sampled:
                 return
@@ -166,7 +167,7 @@ class BatchDriver:
         except SubjectError as exc:
             await self._refuse(held, f"environment name {env!r} cannot be addressed: {exc}")
             return [None] * len(held)
-        with self.traces.calls(held, f"environment reset_batch {env}", **{"rlbus.env": env}):
+        with self.traces.calls(held, f"environment reset_batch {env}", **{tracing.ENV: env}):
             reply, problem = await self._request_resets(subject, env, held)
         if reply is None:
             for h in held:  # the error goes with the nak: a max-deliveries dead letter then says what failed

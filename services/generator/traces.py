@@ -28,8 +28,8 @@ class BatchTraces:
         self.spans: dict[int, Span] = {
             id(h): t.start_child(f"generate {h.task.task_id}", t.extract(h.delivery.headers), **{
                 t.RUN: h.task.run, t.TASK_ID: h.task.task_id, t.POOL: h.task.pool, t.ENV: h.task.env,
-                t.GROUP_SIZE: h.task.group_size, "rlbus.generator_id": generator_id,
-                "rlbus.deliveries": h.delivery.deliveries, "rlbus.eval": h.is_eval})
+                t.GROUP_SIZE: h.task.group_size, t.GENERATOR_ID: generator_id,
+                t.DELIVERIES: h.delivery.deliveries, t.EVAL: h.is_eval})
             for h in held
         }
 

@@ -86,7 +86,7 @@ class RewardService:
                          tracing.POOL: group.task.pool, tracing.ROLLOUT_COUNT: len(rewards),
                          tracing.ROLLOUT_IDS: [s.rollout.rollout_id for s in scored.scored], tracing.REWARDS: rewards,
                          tracing.REWARD_MEAN: sum(rewards) / max(len(rewards), 1),
-                         "rlbus.generator_id": group.generator_id}.items():
+                         tracing.GENERATOR_ID: group.generator_id}.items():
                 span.set_attribute(k, v)
             await self.bus.publish(self.subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=scored.msg_id)
 
