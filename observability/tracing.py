@@ -256,6 +256,11 @@ def root_span(name: str, *, links: Sequence[tuple[Mapping[str, str] | None, Mapp
         yield span
 
 
+def annotate(**attrs: Any) -> None:
+    """Attributes on the current span (a no-op outside a trace)."""
+    _set(trace.get_current_span(), attrs)
+
+
 @contextmanager
 def untraced() -> Iterator[None]:
     """No trace is current inside: for periodic traffic sent from traced code (a heartbeat a

@@ -52,6 +52,7 @@ class EnvironmentServer:
     async def handle_reset(self, data: bytes) -> bytes:
         def go() -> EnvReply:
             req = EnvReset.decode(data)
+            tracing.annotate(**{tracing.TASK_ID: req.task.task_id, tracing.ENV: req.task.env})
             return self.env(req.task.env).reset(req.task, req.task.task_id)
 
         return self._answer(go).encode()
@@ -82,6 +83,7 @@ class EnvironmentServer:
     async def handle_step(self, data: bytes) -> bytes:
         def go() -> EnvReply:
             req = EnvStep.decode(data)
+            tracing.annotate(**{tracing.TASK_ID: req.task.task_id, tracing.ENV: req.task.env})
             return self.env(req.task.env).step(req.task, req.episode_id, req.action_ids, req.action_text)
 
         return self._answer(go).encode()
