@@ -246,10 +246,10 @@ class Connection:
         self.check_open()
         await self.publisher.publish(subject, data, msg_id=msg_id, headers=headers)
 
-    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *,
-                           headers: dict[str, str] | None = None) -> None:
+    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None = None,
+                           item_headers: Sequence[dict[str, str]] | None = None) -> None:
         self.check_open()
-        await self.publisher.publish_many(items, headers=headers)
+        await self.publisher.publish_many(items, headers=headers, item_headers=item_headers)
 
     async def resolve(self, data: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str], str | None]:
         """The original bytes of a possibly claim-checked message (see ``bus.claims``)."""

@@ -1,7 +1,8 @@
 """The headers every published message carries, checked the same way by both buses.
 
 A publish sends ``Nats-Msg-Id`` (the stream's duplicate window stores a retried publish once),
-the W3C trace context of the current span, and the caller's own headers.  Header keys and
+the W3C trace context of the current span (unless the caller's headers name the message's own
+trace: a task published in a batch carries its task's trace), and the caller's own headers.  Header keys and
 values must be plain strings without CR/LF (they are written verbatim into the NATS protocol
 line) and must fit a small budget: ``max_payload`` counts headers too, and the claim check
 leaves only a fixed headroom for them.  ``MemoryBus`` applies the same checks so a handler test
@@ -9,6 +10,8 @@ fails where the real bus would.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sized
 
 from bus.protocol import BusError, PayloadTooLarge
 from observability.tracing import TRACE_HEADER_BUDGET, inject
@@ -22,6 +25,12 @@ MSG_ID = "Nats-Msg-Id"
 def header_bytes(headers: dict[str, str]) -> int:
     """Bytes the headers take on the wire (``NATS/1.0`` line plus ``key: value`` lines)."""
     return 12 + sum(len(k) + len(v) + 4 for k, v in headers.items())
+
+
+def check_item_headers(items: Sized, item_headers: Sized | None) -> None:
+    if item_headers is not None and len(item_headers) != len(items):
+        raise BusError(f"publish_many got {len(item_headers)} item_headers for {len(items)} items; "
+                       "give one dict per item (or none)")
 
 
 def publish_headers(msg_id: str, extra: dict[str, str] | None) -> dict[str, str]:

@@ -121,10 +121,10 @@ class JetStreamBus:
                       headers: dict[str, str] | None = None) -> None:
         await self.connection.publish(subject, data, msg_id=msg_id, headers=headers)
 
-    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *,
-                           headers: dict[str, str] | None = None) -> None:
-        """Pipelined publishes (``publish_async``) under one ``send`` span; failures retried one by one."""
-        await self.connection.publish_many(items, headers=headers)
+    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None = None,
+                           item_headers: Sequence[dict[str, str]] | None = None) -> None:
+        """Pipelined publishes (``publish_async``); failures retried one by one."""
+        await self.connection.publish_many(items, headers=headers, item_headers=item_headers)
 
     async def dead_letter(self, origin_subject: str, data: bytes, *, error: str, reason: str, deliveries: int = 1,
                           headers: dict[str, str] | None = None, msg_id: str | None = None,

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
-from bus.headers import publish_headers
+from bus.headers import check_item_headers, publish_headers
 from bus.outcome import Outcomes, decoded
 from bus.protocol import (
     BusClosed,
@@ -310,10 +310,12 @@ class MemoryBus:
                 w.offer(s)
             self._notify()
 
-    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *,
-                           headers: dict[str, str] | None = None) -> None:
-        for subject, data, msg_id in items:
-            await self.publish(subject, data, msg_id=msg_id, headers=headers)
+    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None = None,
+                           item_headers: Sequence[dict[str, str]] | None = None) -> None:
+        check_item_headers(items, item_headers)
+        for i, (subject, data, msg_id) in enumerate(items):
+            h = headers if item_headers is None else {**(headers or {}), **item_headers[i]}
+            await self.publish(subject, data, msg_id=msg_id, headers=h)
 
     def _notify(self) -> None:
         self._changed.set()

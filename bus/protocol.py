@@ -182,9 +182,12 @@ class Bus(Protocol):
         ...
 
     async def publish_many(
-        self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None = None
+        self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None = None,
+        item_headers: Sequence[dict[str, str]] | None = None,
     ) -> None:
-        """Pipelined durable publish of ``(subject, data, msg_id)`` items; all acked on return."""
+        """Pipelined durable publish of ``(subject, data, msg_id)`` items; all acked on return.
+        ``item_headers`` (one dict per item, over ``headers``) gives each item its own headers,
+        e.g. the trace context of its own task (``observability.tracing.task_traces``)."""
         ...
 
     async def request(self, subject: str, data: bytes, *, timeout: float) -> bytes:

@@ -32,7 +32,7 @@ import nats.errors
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
 from bus.claims import ClaimCheck
-from bus.headers import MSG_ID, header_bytes, publish_headers
+from bus.headers import MSG_ID, check_item_headers, header_bytes, publish_headers
 from bus.protocol import BusClosed, BusError, PayloadTooLarge, PublishTimeout, StreamFull
 from observability.tracing import send_span
 
@@ -161,18 +161,18 @@ class Publisher:
             f"{last!r}); is the server healthy, and does a stream of this run capture the subject?"
         )
 
-    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None) -> None:
+    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None,
+                           item_headers: Sequence[dict[str, str]] | None = None) -> None:
         if not items:
             return
+        check_item_headers(items, item_headers)
         deadline = time.monotonic() + self.deadline
         with send_span(items[0][0], msg_id=items[0][2], **{"messaging.batch.message_count": len(items)}):
             base = publish_headers("batch", headers)  # validates once; trace context of this span
             window = _Window(self, items, deadline)
-            base_size = header_bytes(base) - len("batch")
             for i, (subject, data, msg_id) in enumerate(items):
-                hdrs = dict(base)
-                hdrs[MSG_ID] = msg_id
-                if len(data) + base_size + len(msg_id) > self.claim_threshold:
+                hdrs = self._item_headers(base, headers, item_headers, i, msg_id)
+                if len(data) + header_bytes(hdrs) > self.claim_threshold:
                     clock = self.clock()
                     await self.wait_for_server(clock, subject, hdrs)
                     data, hdrs = await self.claims.put(msg_id, data, hdrs)
@@ -192,9 +192,19 @@ class Publisher:
             await window.drain()
             for i in window.retry:
                 subject, data, msg_id = items[i]
-                hdrs = dict(base)
-                hdrs[MSG_ID] = msg_id
-                await self._retry(subject, data, hdrs, self.clock())
+                await self._retry(subject, data, self._item_headers(base, headers, item_headers, i, msg_id),
+                                  self.clock())
+
+    @staticmethod
+    def _item_headers(base: dict[str, str], headers: dict[str, str] | None,
+                      item_headers: Sequence[dict[str, str]] | None, i: int, msg_id: str) -> dict[str, str]:
+        """Item ``i``'s headers: the shared ``base`` with its msg id, or, given ``item_headers``,
+        its own (checked like any publish's; its ``traceparent`` wins over the current span's)."""
+        if item_headers is None:
+            hdrs = dict(base)
+            hdrs[MSG_ID] = msg_id
+            return hdrs
+        return publish_headers(msg_id, {**(headers or {}), **item_headers[i]})
 
 
 class _Window:

@@ -26,7 +26,9 @@ def publish(path: str, *, pool: str, run: str, nats_url: str, group_size: int | 
     async def go() -> None:
         from bus.jetstream import JetStreamBus
         from bus.subjects import Subjects
+        from observability.tracing import configure_tracing, shutdown_tracing, task_traces
 
+        configure_tracing("publish", run=run)  # each task's trace starts here (exported if OTEL_* say so)
         subjects = Subjects(run)
         bus = await JetStreamBus.connect(nats_url, run, name="rlbus-publish")
         try:
@@ -34,10 +36,13 @@ def publish(path: str, *, pool: str, run: str, nats_url: str, group_size: int | 
                 bar = progress.add_task(f"publishing to {subjects.tasks(pool)}", total=len(tasks))
                 for start in range(0, len(tasks), 512):
                     chunk = tasks[start:start + 512]
-                    await bus.publish_many([(subjects.tasks(pool), t.encode(), t.msg_id) for t in chunk])
+                    with task_traces(chunk) as traces:
+                        await bus.publish_many([(subjects.tasks(pool), t.encode(), t.msg_id) for t in chunk],
+                                               item_headers=traces)
                     progress.advance(bar, len(chunk))
         finally:
             await bus.close()
+            shutdown_tracing()
 
     asyncio.run(go())
     print(f"published {len(tasks)} task(s) to pool {pool!r} of run {run!r}"

@@ -32,6 +32,7 @@ from dataclasses import replace
 from bus.protocol import Bus, BusError, Delivery
 from bus.subjects import SubjectError, Subjects
 from observability.logging import get_logger
+from observability.tracing import task_traces
 from schemas import Admit, Control, Heartbeat, SchemaError, SetMix, Task
 from schemas.control import Stall
 from services.controller.law import TrainerView, eval_due
@@ -301,7 +302,8 @@ class Controller:
     async def publish_eval(self, version: int, why: str) -> None:
         tasks = self.evals.round(version)
         pool = self.subjects.tasks(self.run_cfg.eval_pool)
-        await self.bus.publish_many([(pool, t.encode(), t.msg_id) for t in tasks])
+        with task_traces(tasks) as traces:  # held-out tasks are traced like any task
+            await self.bus.publish_many([(pool, t.encode(), t.msg_id) for t in tasks], item_headers=traces)
         await self.publish(self.planner.evaluate(version, len(tasks), why, time.time()))
         log.info("eval_scheduled", version=version, tasks=len(tasks))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from bus.protocol import Bus
 from bus.subjects import Subjects
+from observability import tracing
 from observability.logging import get_logger
 from schemas import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep, SchemaError
 from services.environment.envs import ENVIRONMENTS, EnvError, Environment
@@ -51,6 +52,7 @@ class EnvironmentServer:
     async def handle_reset(self, data: bytes) -> bytes:
         def go() -> EnvReply:
             req = EnvReset.decode(data)
+            tracing.annotate(**{tracing.TASK_ID: req.task.task_id, tracing.ENV: req.task.env})
             return self.env(req.task.env).reset(req.task, req.task.task_id)
 
         return self._answer(go).encode()
@@ -62,13 +64,26 @@ class EnvironmentServer:
             self.errors += 1
             log.warning("env_request_rejected", error=str(exc))
             return EnvReplyBatch(replies=[], error=str(exc)).encode()
-        # Each task is answered on its own: one unknown environment refuses that task only.
-        replies = [self._answer(lambda t=t: self.env(t.env).reset(t, t.task_id)) for t in req.tasks]
+        # Each task is answered on its own: one unknown environment refuses that task only; and in
+        # its own trace (the request carries each task's context).
+        replies = []
+        for task, ctx in zip(req.tasks, tracing.item_contexts(len(req.tasks)), strict=True):
+            span = tracing.start_child(f"environment reset {task.env}", ctx, **{
+                tracing.TASK_ID: task.task_id, tracing.ENV: task.env, tracing.POOL: task.pool})
+            try:
+                reply = self._answer(lambda t=task: self.env(t.env).reset(t, t.task_id))
+                span.set_attribute(tracing.PROMPT_TOKENS, len(reply.observation_ids))
+                if reply.error:
+                    span.set_attribute(tracing.ERROR, reply.error[:500])
+            finally:
+                span.end()
+            replies.append(reply)
         return EnvReplyBatch(replies=replies).encode()
 
     async def handle_step(self, data: bytes) -> bytes:
         def go() -> EnvReply:
             req = EnvStep.decode(data)
+            tracing.annotate(**{tracing.TASK_ID: req.task.task_id, tracing.ENV: req.task.env})
             return self.env(req.task.env).step(req.task, req.episode_id, req.action_ids, req.action_text)
 
         return self._answer(go).encode()

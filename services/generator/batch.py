@@ -22,6 +22,7 @@ from pathlib import Path
 
 from bus.protocol import Bus, BusError
 from bus.subjects import SubjectError, Subjects
+from observability import tracing
 from observability.logging import get_logger
 from schemas import EnvReplyBatch, EnvResetBatch, RolloutGroup, SchemaError, Task
 from services.generator.backend import Backend
@@ -30,6 +31,7 @@ from services.generator.intake import TASK_MAX_DELIVER, Held, TaskIntake
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
 from services.generator.status import Status
+from services.generator.traces import BatchTraces
 from services.generator.weight_follower import WeightFollower
 from services.runtime.lifecycle import Lifecycle
 
@@ -60,6 +62,7 @@ class BatchDriver:
         self.status = status
         self.life = life
         self.slowdown = slowdown
+        self.traces = BatchTraces([])  # the spans of the batch being driven, in each task's trace
 
     async def loop(self) -> None:
         while not self.life.stopping.is_set():
@@ -84,6 +87,7 @@ class BatchDriver:
         alone before sampling; the others go on without it."""
         n_train = sum(not h.is_eval for h in held)
         self.gen.begin_batch(n_train, len(held), redelivered=sum(h.delivery.deliveries > 1 for h in held))
+        self.traces = BatchTraces(held, generator_id=self.gen.cfg.instance)
         try:
             held = await self._addressable(held)
             t_env = time.perf_counter()
@@ -91,17 +95,22 @@ class BatchDriver:
             if not ready:
                 return
             t_sample = time.perf_counter()
-            sampled = await self._sample(ready)
+            with self.traces.calls([h for h, _ in ready], "sample", **{tracing.BATCH_GROUPS: len(ready)}):
+                sampled = await self._sample(ready)
             if not sampled:
                 return
             self.status.show()
             t_publish = time.perf_counter()
-            await self.publisher.settle([h for h, _ in sampled], [g for _, g in sampled])
+            for h, g in sampled:
+                self.traces.sampled(h, g)
+            await self.publisher.settle([h for h, _ in sampled], [g for _, g in sampled],
+                                        traces=self.traces.headers([h for h, _ in sampled]))
             n_eval = sum(h.is_eval for h, _ in sampled)
             log.debug("batch", train=len(sampled) - n_eval, eval=n_eval, version=self.gen.backend.version,
                       grant=self.gen.grant_total, started=self.gen.started, env_s=round(t_sample - t_env, 4),
                       sample_s=round(t_publish - t_sample, 4), publish_s=round(time.perf_counter() - t_publish, 4))
         finally:
+            self.traces.end()
             self.gen.end_batch()
 
     # --- tasks refused alone -----------------------------------------------------------------------
@@ -158,9 +167,11 @@ class BatchDriver:
         except SubjectError as exc:
             await self._refuse(held, f"environment name {env!r} cannot be addressed: {exc}")
             return [None] * len(held)
-        reply, problem = await self._request_resets(subject, env, held)
+        with self.traces.calls(held, f"environment reset_batch {env}", **{tracing.ENV: env}):
+            reply, problem = await self._request_resets(subject, env, held)
         if reply is None:
             for h in held:  # the error goes with the nak: a max-deliveries dead letter then says what failed
+                self.traces.outcome(h, "env_unavailable", problem)
                 await h.delivery.nak(delay=self.ENV_RETRY_S, error=f"environment {env!r} unavailable: {problem}")
             log.warning("env_unavailable", tasks=len(held), env=env, error=problem)
             return [None] * len(held)
@@ -202,6 +213,7 @@ class BatchDriver:
         """Tasks that can never succeed here: terminated and dead-lettered with the reason."""
         for h in held:
             self.gen.dead += 1
+            self.traces.outcome(h, "refused", reason)
             log.warning("task_refused", task_id=h.task.task_id, pool=h.task.pool, reason=reason)
             await h.delivery.term(reason)
 
@@ -262,6 +274,7 @@ class BatchDriver:
                 await self._refuse([h], f"task {h.task.task_id!r} failed sampling on delivery {n} of "
                                         f"{TASK_MAX_DELIVER}{beside}: {error}")
             else:
+                self.traces.outcome(h, "handed_back", error)
                 await h.delivery.nak(delay=self.SAMPLING_RETRY_S, error=f"sampling failed on delivery {n}: {error}")
         self.gen.give_back(sum(not h.is_eval for h, _ in part))
 

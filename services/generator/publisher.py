@@ -30,10 +30,12 @@ class Publisher:
         self.gen = gen
         self.life = life
 
-    async def settle(self, held: list[Held], groups: list[RolloutGroup]) -> None:
+    async def settle(self, held: list[Held], groups: list[RolloutGroup], *,
+                     traces: list[dict[str, str]] | None = None) -> None:
+        """``traces``: the trace context each group is published with (its task's trace)."""
         items = [(self.subjects.rollouts(h.task.pool), g.encode(), g.msg_id)
                  for h, g in zip(held, groups, strict=True)]
-        settling = asyncio.create_task(self._publish_then_ack(items, held))
+        settling = asyncio.create_task(self._publish_then_ack(items, held, traces))
         try:
             # A stop between the publish and the acks would leave groups on the bus whose tasks
             # another generator redoes: the stop waits (up to the grace period) for both.
@@ -45,7 +47,8 @@ class Publisher:
         self.gen.note_published(sum(not h.is_eval for h in held), sum(h.is_eval for h in held),
                                 Counter(h.task.pool for h in held if not h.is_eval))
 
-    async def _publish_then_ack(self, items: list[tuple[str, bytes, str]], held: list[Held]) -> None:
-        await self.bus.publish_many(items)
+    async def _publish_then_ack(self, items: list[tuple[str, bytes, str]], held: list[Held],
+                                traces: list[dict[str, str]] | None) -> None:
+        await self.bus.publish_many(items, item_headers=traces)
         for h in held:
             await h.delivery.ack()

@@ -14,6 +14,7 @@ import time
 
 from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
 from bus.subjects import Subjects, pool_of
+from observability import tracing
 from observability.logging import get_logger
 from schemas import RolloutGroup, ScoredGroup, ScoredRollout
 from services.reward.settings import RewardSettings
@@ -76,8 +77,18 @@ class RewardService:
                                  max_ack_pending=4 * cfg.batch)
 
     async def handle(self, group: RolloutGroup, d: Delivery[RolloutGroup]) -> None:
-        scored = self.scorer.score(group)
-        await self.bus.publish(self.subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=scored.msg_id)
+        # Under the bus's process span, in the group's task trace; the scored group is published
+        # from inside, so the trainer's link points at this span's trace.
+        with tracing.child_span(f"score {group.task.task_id}") as span:
+            scored = self.scorer.score(group)
+            rewards = [s.reward for s in scored.scored]
+            for k, v in {tracing.RUN: group.task.run, tracing.TASK_ID: group.task.task_id,
+                         tracing.POOL: group.task.pool, tracing.ROLLOUT_COUNT: len(rewards),
+                         tracing.ROLLOUT_IDS: [s.rollout.rollout_id for s in scored.scored], tracing.REWARDS: rewards,
+                         tracing.REWARD_MEAN: sum(rewards) / max(len(rewards), 1),
+                         tracing.GENERATOR_ID: group.generator_id}.items():
+                span.set_attribute(k, v)
+            await self.bus.publish(self.subjects.scored(pool_of(d.subject)), scored.encode(), msg_id=scored.msg_id)
 
     async def consume(self) -> None:
         await self.bus.consume(self.spec, RolloutGroup.decode, self.handle, batch=self.cfg.batch,

@@ -38,9 +38,13 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
+
+from opentelemetry.trace import Span
 
 from bus.protocol import Bus
 from bus.subjects import Subjects
+from observability import tracing
 from observability.logging import get_logger
 from schemas import SchemaError, ScoredGroup, WeightManifest
 from services.policy.logprobs import LogprobInputError
@@ -88,6 +92,23 @@ async def highest_version_used(bus: Bus, subjects: Subjects, model_name: str, bo
         except SchemaError as exc:  # weight-broadcast's own record; the book still counts
             log.warning("unreadable_weight_manifest", subject=subjects.weights(model_name), error=str(exc))
     return used
+
+
+def step_links(batch: list[GroupDecision]) -> list[tuple[dict[str, str] | None, dict[str, Any]]]:
+    """A link per group: its scored message's trace context, with what the step made of it."""
+    links = []
+    for d in batch:
+        trained = [s for s, m in zip(d.staleness, d.train_mask, strict=True) if m]
+        links.append((getattr(d.handle, "headers", None), {
+            tracing.TASK_ID: d.group.task.task_id, tracing.ROLLOUT_COUNT: len(trained),
+            tracing.STALENESS_MAX: max(trained, default=0)}))
+    return links
+
+
+def staleness_attributes(batch: list[GroupDecision]) -> dict[str, float]:
+    trained = [s for d in batch for s, m in zip(d.staleness, d.train_mask, strict=True) if m]
+    return {tracing.STALENESS_MAX: max(trained, default=0),
+            tracing.STALENESS_MEAN: sum(trained) / len(trained) if trained else 0.0}
 
 
 class TrainerLoop:
@@ -174,14 +195,25 @@ class TrainerLoop:
 
     async def _step(self) -> None:
         batch, dropped = self.assembler.take()
+        # The step is a trace of its own, linked to the trace of every group it trains.
+        with tracing.root_span(f"train step {self.committer.step + 1}", links=step_links(batch),
+                               **{tracing.STEP: self.committer.step + 1, tracing.GROUPS: len(batch),
+                                  **staleness_attributes(batch)}) as span:
+            await self._traced_step(batch, dropped, span)
+
+    async def _traced_step(self, batch: list[GroupDecision], dropped: list[GroupDecision], span: Span) -> None:
         t_busy = time.perf_counter()
         seqs, batch_stats = pack(batch, self.cfg)
         try:
             metrics = await self._train(seqs, batch)
         except LogprobInputError as exc:
+            span.set_attribute(tracing.OUTCOME, "refused_input")
             await self._refuse_step(batch, dropped, exc)
             return
         self.committer.record_step(batch, dropped)
+        span.set_attribute(tracing.POLICY_VERSION, self.committer.version)
+        span.set_attribute(tracing.REWARD_MEAN, batch_stats["batch/reward_mean"])
+        span.set_attribute(tracing.ROLLOUT_COUNT, int(batch_stats["batch/rollouts_trained"]))
         self.counters.groups_trained_total += len(batch)
         self.counters.rollouts_stale_total = self.assembler.rollouts_stale
         await self.uploader.hand_over(self.committer.version, self.committer.step)
@@ -195,7 +227,8 @@ class TrainerLoop:
         self.telemetry.publish_step(self.committer.step,
                                     {k if "/" in k else f"train/{k}": float(v) for k, v in metrics.items()})
         self.telemetry.set_version(self.committer.version)
-        await self.telemetry.send()  # one heartbeat per step carries that step's metrics
+        with tracing.untraced():  # a heartbeat, not part of the step's trace
+            await self.telemetry.send()  # one heartbeat per step carries that step's metrics
         log.info("step", step=self.committer.step, version=self.committer.version,
                  reward=round(batch_stats["batch/reward_mean"], 3), k3=round(metrics.get("mismatch/k3_kl", 0.0), 6),
                  step_s=round(metrics["train/step_s"], 3))
@@ -216,10 +249,12 @@ class TrainerLoop:
         self.assembler.put_back(batch, dropped, refused)
         self.counters.groups_dropped_total += len(refused)
         self.telemetry.publish()
-        await self.telemetry.send()
+        with tracing.untraced():
+            await self.telemetry.send()
 
     async def _train(self, seqs: list[PackedSeq], batch: list[GroupDecision]) -> dict[str, float]:
         """The step in a worker thread, while intake takes in what arrives for the next batch."""
         step = asyncio.ensure_future(asyncio.to_thread(self.policy.train_step, seqs))
-        await self.intake.prefetch_during(step, {d.group.task.task_id for d in batch})
+        with tracing.untraced():  # what intake does meanwhile (heartbeats) is no part of the step
+            await self.intake.prefetch_during(step, {d.group.task.task_id for d in batch})
         return await step

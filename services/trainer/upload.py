@@ -17,6 +17,7 @@ from safetensors.torch import save as save_safetensors
 
 from bus.protocol import Bus
 from bus.subjects import Subjects
+from observability import tracing
 from schemas import TensorMeta, WeightManifest
 from schemas.weights import Transport
 from services.runtime.weights import WeightTransport
@@ -57,6 +58,11 @@ class Uploader:
             await self._in_flight
 
     async def _upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int) -> float:
+        # A short trace of its own (upload -> broadcast's verification -> manifest), not the step's.
+        with tracing.root_span(f"weights upload v{version}", **{tracing.POLICY_VERSION: version, tracing.STEP: step}):
+            return await self._traced_upload(version, data, metas, step)
+
+    async def _traced_upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int) -> float:
         t0 = time.perf_counter()
         await asyncio.to_thread(self._book.reserve, version)
         shard = await self._transport.write(f"weights/{self._model_name}/v{version:08d}/model.safetensors", data)

@@ -157,9 +157,14 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         tasks = read_tasks(run_cfg, train)
         print(f"rlbus up: run folder {folder}; {len(tasks)} training tasks (fed as the backlog drains); "
               f"NATS at {server.url}", flush=True)
+        from observability.tracing import configure_tracing, shutdown_tracing
         from services.up.watch import watch
 
-        code = asyncio.run(watch(server.url, run_cfg, up_cfg, folder, children, tasks, view=view))
+        configure_tracing("up", run=run_cfg.run)  # the feeder's publishes open each task's trace
+        try:
+            code = asyncio.run(watch(server.url, run_cfg, up_cfg, folder, children, tasks, view=view))
+        finally:
+            shutdown_tracing()
     except KeyboardInterrupt:
         print("rlbus up: interrupted, stopping services …", file=sys.stderr)
         code = 130

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bus import BusError
+from observability.tracing import task_traces
 from schemas import Heartbeat, SchemaError, ScoredGroup, Task
 from services.runtime.config import RunSettings
 from services.up.monitor import Monitor
@@ -70,7 +71,9 @@ async def feed(bus: Any, subjects: Any, tasks: list[Task], stop: asyncio.Event, 
                 if sent == 0 and epoch > 0:
                     print(f"rlbus up: epoch {epoch + 1} over the {len(tasks)} training tasks", flush=True)
                 chunk = order[sent:sent + FEED_CHUNK]
-                await bus.publish_many([(subjects.tasks(t.pool), t.encode(), t.msg_id) for t in chunk])
+                with task_traces(chunk) as traces:  # each task's trace starts at its publish
+                    await bus.publish_many([(subjects.tasks(t.pool), t.encode(), t.msg_id) for t in chunk],
+                                           item_headers=traces)
                 sent += len(chunk)
                 continue
             await asyncio.sleep(1.0)

@@ -1,4 +1,5 @@
-"""Trace context crosses the bus: the consumer's span belongs to the producer's trace."""
+"""Trace context crosses the bus: the consumer's span belongs to the producer's trace; traffic
+sent outside a trace opens none; a batch of tasks keeps one trace per task."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from bus.protocol import Delivery
+from observability import tracing
 from schemas import Task
 from tests.integration.helpers import consuming, eventually, task_spec
 
@@ -60,3 +62,78 @@ async def test_request_reply_carries_trace_context(bus, spans):
     with trace.get_tracer("test").start_as_current_span("generator step") as parent:
         assert await bus.request(subject, b"ping", timeout=2.0) == b"ping"
     assert seen == [parent.get_span_context().trace_id]
+
+
+@pytest.fixture(params=["jetstream", "memory"])
+async def either_bus(request, bus):
+    """The same promises on both buses (MemoryBus is what handler tests run on)."""
+    if request.param == "jetstream":
+        yield bus
+        return
+    from bus.memory import MemoryBus
+
+    mem = MemoryBus(bus.subjects.run)
+    try:
+        yield mem
+    finally:
+        await mem.close()
+
+
+def _task(i: int) -> Task:
+    return Task(run="r", task_id=f"t{i}", pool="math", env="addition", prompt=f"{i}+1=")
+
+
+async def test_untraced_traffic_opens_no_span(either_bus, spans):
+    """A publish outside any trace (a heartbeat) carries no trace context and makes no span, and
+    handling it makes none either: periodic traffic must not flood the trace store."""
+    s = either_bus.subjects
+    before = len(spans.get_finished_spans())
+    await either_bus.publish(s.tasks("math"), _task(1).encode(), msg_id="t1")
+    seen: list[tuple[dict[str, str], bool]] = []
+
+    async def handler(task: Task, d: Delivery[Task]) -> None:
+        seen.append((dict(d.headers), trace.get_current_span().get_span_context().is_valid))
+
+    async with consuming(either_bus, task_spec(either_bus), Task.decode, handler):
+        await eventually(lambda: seen)
+    assert "traceparent" not in seen[0][0] and not seen[0][1]
+    assert len(spans.get_finished_spans()) == before
+
+
+async def test_each_task_published_in_a_batch_has_its_own_trace(either_bus, spans):
+    s = either_bus.subjects
+    tasks = [_task(i) for i in range(3)]
+    with tracing.task_traces(tasks) as headers:
+        await either_bus.publish_many([(s.tasks("math"), t.encode(), t.msg_id) for t in tasks], item_headers=headers)
+    roots = {sp.attributes[tracing.TASK_ID]: sp for sp in spans.get_finished_spans()
+             if sp.name.startswith("task ") and sp.attributes.get(tracing.TASK_ID) in {t.task_id for t in tasks}}
+    assert len({sp.context.trace_id for sp in roots.values()}) == 3 and all(sp.parent is None for sp in roots.values())
+    seen: dict[str, int] = {}
+
+    async def handler(task: Task, d: Delivery[Task]) -> None:
+        seen[task.task_id] = trace.get_current_span().get_span_context().trace_id
+
+    async with consuming(either_bus, task_spec(either_bus), Task.decode, handler):
+        await eventually(lambda: len(seen) == 3)
+    assert seen == {tid: sp.context.trace_id for tid, sp in roots.items()}
+
+
+async def test_batched_request_carries_each_items_trace(either_bus, spans):
+    """The server of a batched request can continue each item's own trace."""
+    subject = either_bus.subjects.env("addition", "reset_batch")
+    got: list[list[int]] = []
+
+    async def handler(data: bytes) -> bytes:
+        ctxs = tracing.item_contexts(int(data))
+        got.append([trace.get_current_span(c).get_span_context().trace_id for c in ctxs if c is not None])
+        return b"ok"
+
+    await either_bus.serve(subject, handler, queue="environment")
+    with tracing.task_traces([_task(i) for i in range(3)]) as headers:
+        items = [tracing.start_child("environment call", tracing.extract(h)) for h in headers]
+        with tracing.item_traces(items):
+            assert await either_bus.request(subject, b"3", timeout=5.0) == b"ok"
+        for sp in items:
+            sp.end()
+    assert got == [[sp.get_span_context().trace_id for sp in items]]
+    assert len(set(got[0])) == 3

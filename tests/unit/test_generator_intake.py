@@ -126,13 +126,13 @@ class RecordingBus(MemoryBus):
         super().__init__(RUN)
         self.settles: list[tuple[str, str, bool]] = []  # (msg id published, the group's msg_id, task still held)
 
-    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *,
-                           headers: dict[str, str] | None = None) -> None:
+    async def publish_many(self, items: Sequence[tuple[str, bytes, str]], *, headers: dict[str, str] | None = None,
+                           item_headers: Sequence[dict[str, str]] | None = None) -> None:
         held = {Task.decode(data).task_id for _, data in self.messages("TASKS")}
         for _, data, msg_id in items:
             group = RolloutGroup.decode(data)
             self.settles.append((msg_id, group.msg_id, group.task.task_id in held))
-        await super().publish_many(items, headers=headers)
+        await super().publish_many(items, headers=headers, item_headers=item_headers)
 
 
 async def eventually(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
