@@ -46,7 +46,7 @@ from bus.publish import Publisher
 from bus.pull import PullInbox
 from bus.retention import Retention
 from bus.routing import WORK_QUEUES, stream_kind_of
-from bus.streams import ensure_consumer, ensure_streams, limit_key
+from bus.streams import PlacementWait, ensure_consumer, ensure_streams, limit_key
 from bus.subjects import Subjects
 from bus.urls import BadServerURL, server_urls
 from observability.logging import get_logger
@@ -57,6 +57,7 @@ KiB, MiB = 1024, 1024 * 1024
 CLAIM_HEADROOM = 512 * KiB
 DEFAULT_PUBLISH_OUTAGE_S = 900.0  # see bus.publish: how long a publish waits out a server outage
 LAST_ERRORS_KEPT = 10_000  # only needed until the advisory arrives
+DECLARE_ATTEMPT_S = 2.0  # one try of a stream or durable declaration (see ``Connection.js_declare``)
 
 _DELIVER = {
     "new": api.DeliverPolicy.NEW,
@@ -110,6 +111,10 @@ class Connection:
                  retention: Retention | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=10.0)
+        # Declarations (idempotent, retried) ask with a short timeout: JetStream drops, rather than
+        # queues, what reaches it before a fresh cluster has elected its meta leader (measured: 0.7 s
+        # after the servers were up), so a 10 s attempt made every service of a start-up wait 10 s.
+        self.js_declare = nc.jetstream(timeout=DECLARE_ATTEMPT_S)
         self.api_prefix = "$JS.API"
         self.subjects = Subjects(run)
         self.name = name
@@ -127,6 +132,7 @@ class Connection:
         self.objects = JetStreamObjectStore(
             nc, self.js, self.subjects.object_bucket,
             max_bytes=retention.objects_max_bytes if retention is not None else None,
+            replicas=retention.replicas if retention is not None else None,
             full_error=self.full_error, deadline=publish_deadline, outage=publish_outage)
         self.claims = ClaimCheck(self.objects, spawn=self.spawn, log=self.log)
         self.publisher = Publisher(self.js, self.claims, name=name, max_payload=self.max_payload,
@@ -174,18 +180,24 @@ class Connection:
         events.conn = conn
         return conn
 
-    async def ensure_streams(self) -> None:
-        """Declare the run's streams, riding out a server that goes away meanwhile (idempotent)."""
+    async def ensure_streams(self, *, deadline: float | None = None) -> None:
+        """Declare the run's streams (idempotent), riding out a server that goes away meanwhile and
+        a cluster that cannot answer yet, for ``deadline`` seconds of the server being reachable
+        (``JetStreamBus.connect`` passes its ``connect_timeout``)."""
+        placement = PlacementWait()
         await self.through_outage(
-            lambda: ensure_streams(self.js, self.subjects, retention=self.retention, log=self.log),
-            f"declaring the streams of run {self.subjects.run!r}")
+            lambda: ensure_streams(self.js_declare, self.subjects, retention=self.retention, log=self.log,
+                                   placement=placement),
+            f"declaring the streams of run {self.subjects.run!r}", deadline=deadline)
 
-    async def through_outage(self, op: Callable[[], Awaitable[T]], what: str) -> T:
-        """Run the idempotent request ``op`` until the server answers, bounded like a publish: what
-        a service must know before it can start (its durable, the newest weight version) waits out
-        a server lost in the seconds after connecting instead of ending the service."""
+    async def through_outage(self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
+        """Run the idempotent request ``op`` until the server answers, bounded like a publish (or by
+        ``deadline`` s of the server being reachable, if longer): what a service must know before it
+        can start (its streams, its durable, the newest weight version) waits out a server lost in
+        the seconds after connecting instead of ending the service."""
         return await through_outage(op, what, connected=lambda: bool(self.nc.is_connected),
-                                    deadline=self.publisher.deadline, outage=self.publisher.outage)
+                                    deadline=max(deadline or 0.0, self.publisher.deadline),
+                                    outage=self.publisher.outage)
 
     def full_error(self, subject_or_stream: str, why: str) -> StreamFull:
         """The ``StreamFull`` of a publish (or object put) refused at a discard-new limit."""
@@ -268,7 +280,7 @@ class Connection:
         Returns the stream name."""
         stream = self.subjects.stream(spec.stream)
         if spec not in self._consumers_ok:  # by spec: a changed spec is declared (updated) again
-            await self.through_outage(lambda: ensure_consumer(self.js, self.subjects, spec, log=self.log),
+            await self.through_outage(lambda: ensure_consumer(self.js_declare, self.subjects, spec, log=self.log),
                                       f"declaring the durable {spec.durable!r} of {stream}")
             self._consumers_ok.add(spec)
         self.max_deliveries.start()

@@ -69,7 +69,7 @@ class JetStreamBus:
         conn = await Connection.open(url, run, name=name, connect_timeout=connect_timeout, **options)
         if ensure:
             try:
-                await conn.ensure_streams()
+                await conn.ensure_streams(deadline=connect_timeout)
             except BaseException:
                 conn.begin_close()
                 await conn.close()

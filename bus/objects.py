@@ -85,6 +85,7 @@ class JetStreamObjectStore:
 
     def __init__(self, nc: Any, js: Any, bucket: str, *, api_prefix: str = "$JS.API",
                  chunk_size: int = CHUNK_SIZE, window_bytes: int = WINDOW_BYTES, max_bytes: int | None = None,
+                 replicas: int | None = None,
                  full_error: Callable[[str, str], BusError] | None = None, deadline: float = 30.0,
                  outage: float = 900.0) -> None:
         self._nc = nc
@@ -97,6 +98,8 @@ class JetStreamObjectStore:
         # The bucket's byte cap (0: none; None: keep what the server has).  The bucket discards
         # new: a put past the cap fails (``StreamFull``) instead of dropping another object's chunks.
         self.max_bytes = max_bytes
+        # Copies of the bucket in a cluster, like the run's streams (None: keep what the server has).
+        self.replicas = replicas
         self._full_error = full_error
         # Every operation is idempotent and rides out a server outage like a publish does.
         self.deadline = deadline
@@ -140,23 +143,33 @@ class JetStreamObjectStore:
             except NotFoundError:
                 try:
                     await self._js.create_object_store(self.bucket, config=api.ObjectStoreConfig(
-                        storage=api.StorageType.FILE, max_bytes=self.max_bytes or -1))
+                        storage=api.StorageType.FILE, max_bytes=self.max_bytes or -1, replicas=self.replicas or 1))
                 except APIError as exc:
+                    if exc.code == 503:  # a cluster electing its leader: ``through_outage`` tries again
+                        raise ServerUnavailable(f"object bucket {self.bucket!r}: {exc.description}") from None
                     if exc.err_code != 10058:  # created concurrently by another service
                         raise BusError(f"could not create object bucket {self.bucket!r}: {exc}") from None
             else:
-                await self._update_limit(info.config)
+                await self._update_limits(info.config)
             self._ready = True
 
-    async def _update_limit(self, have: api.StreamConfig) -> None:
-        want = self.max_bytes if self.max_bytes else -1
-        if self.max_bytes is None or (have.max_bytes or -1) == want:
+    async def _update_limits(self, have: api.StreamConfig) -> None:
+        """The bucket's byte cap and replica count as configured (each kept when ``None``)."""
+        want = dict(max_bytes=self.max_bytes if self.max_bytes else -1, discard=api.DiscardPolicy.NEW)
+        if self.max_bytes is None or (have.max_bytes or -1) == want["max_bytes"]:
+            want = {}
+        if self.replicas is not None and (have.num_replicas or 1) != self.replicas:
+            want["num_replicas"] = self.replicas  # raised in place, like the streams (``bus.streams``)
+        if not want:
             return
         try:
-            await self._js.update_stream(replace(have, max_bytes=want, discard=api.DiscardPolicy.NEW))
+            await self._js.update_stream(replace(have, **want))
         except APIError as exc:
-            raise BusError(f"could not set the byte limit of object bucket {self.bucket!r} to {want}: {exc}; "
-                           "lower [run.retention] objects_max_mib") from None
+            if exc.code == 503:
+                raise ServerUnavailable(f"object bucket {self.bucket!r}: {exc.description}") from None
+            raise BusError(f"could not update object bucket {self.bucket!r} to {want}: {exc}; lower "
+                           "[run.retention] objects_max_mib, or [run] replicas to at most the cluster's servers"
+                           ) from None
 
     # --- metadata --------------------------------------------------------------------
     async def _info(self, name: str) -> api.ObjectInfo | None:

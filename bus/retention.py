@@ -1,5 +1,5 @@
-"""``Retention``: how much each stream of a run (and its object bucket) may hold, and what happens
-at the limit.  Pure data, no nats import: the run config (``services.runtime.config``) builds it
+"""``Retention``: how much each stream of a run (and its object bucket) may hold, what happens
+at the limit, and on how many servers of a cluster each is kept (``replicas``).  Pure data, no nats import: the run config (``services.runtime.config``) builds it
 and ``bus.streams`` applies it.
 
 Without limits a run's streams grow until the server's storage is full, and then *every* publish
@@ -50,6 +50,9 @@ class Retention:
     dead_max_msgs: int = 100_000
     dead_max_bytes: int = 0
     objects_max_bytes: int = 0
+    # Copies of every stream and of the object bucket kept on distinct servers of a cluster
+    # (``[run] replicas``): 1 on a single server, 3 on a cluster so one node may be lost.
+    replicas: int = 1
 
 
 # The run config key that sets each limit, named in the error a publisher gets at the limit.

@@ -27,13 +27,14 @@ un-acked messages); a different filter or ack policy is refused with what to do.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from nats.js import api
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from bus.protocol import BusConfigError, ConsumerSpec
+from bus.protocol import BusConfigError, BusError, ConsumerSpec, ServerUnavailable
 from bus.retention import RETENTION_KEYS, Retention
 from bus.routing import WORK_QUEUES, origin_token, stream_kind_of  # noqa: F401 - re-exported
 from bus.subjects import STREAM_KINDS, Subjects
@@ -89,12 +90,14 @@ def declarations(subjects: Subjects, *, retention: Retention | None = None,
             discard=api.DiscardPolicy.OLD,
             duplicate_window=DUPLICATE_WINDOW_S,
             allow_direct=True,
-            num_replicas=1,
+            num_replicas=r.replicas,
         )
-        limits, fields = _limits(kind, retention or Retention())
+        limits, fields = _limits(kind, r)
         params.update(limits)
         params.update(extra)
-        return StreamDecl(kind, api.StreamConfig(**params), fields)
+        return StreamDecl(kind, api.StreamConfig(**params), (*fields, "num_replicas"))
+
+    r = retention or Retention()
 
     wq, limits = api.RetentionPolicy.WORK_QUEUE, api.RetentionPolicy.LIMITS
     return [
@@ -110,13 +113,13 @@ def declarations(subjects: Subjects, *, retention: Retention | None = None,
     ]
 
 
-def advisory_declaration(subjects: Subjects) -> StreamDecl:
+def advisory_declaration(subjects: Subjects, *, retention: Retention | None = None) -> StreamDecl:
     """The run's captured max-deliveries advisories (``bus.advisories``): a small work queue."""
     return StreamDecl("ADVISORIES", api.StreamConfig(
         name=subjects.advisory_stream, subjects=subjects.max_deliveries_advisories(),
         retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
-        max_msgs=ADVISORIES_MAX_MSGS, duplicate_window=120.0, num_replicas=1,
-    ))
+        max_msgs=ADVISORIES_MAX_MSGS, duplicate_window=120.0, num_replicas=(retention or Retention()).replicas,
+    ), ("num_replicas",))
 
 
 def limit_key(subjects: Subjects, stream: str, why: str) -> str:
@@ -169,9 +172,12 @@ def stream_conflicts(want: api.StreamConfig, have: api.StreamConfig, fields: tup
     return out
 
 
-async def ensure_stream(js: Any, decl: StreamDecl, *, apply_limits: bool = True, log: Any = None) -> None:
-    """Create ``decl`` if missing; update an existing stream in place; refuse a fixed-field change."""
+async def ensure_stream(js: Any, decl: StreamDecl, *, apply_limits: bool = True, log: Any = None,
+                        placement: PlacementWait | None = None) -> None:
+    """Create ``decl`` if missing; update an existing stream in place; refuse a fixed-field change.
+    A cluster that cannot answer yet raises ``ServerUnavailable`` (the caller tries again)."""
     name = decl.config.name
+    placement = placement or PlacementWait()
     try:
         info = await js.stream_info(name)
     except NotFoundError:
@@ -180,7 +186,8 @@ async def ensure_stream(js: Any, decl: StreamDecl, *, apply_limits: bool = True,
             return
         except APIError as exc:
             if exc.err_code != 10058:  # 10058: stream name already in use (a racing creator)
-                raise BusConfigError(f"could not create stream {name}: {exc}") from None
+                raise _declare_error(exc, name, decl.config.num_replicas, placement,
+                                     f"could not create stream {name}") from None
             info = await js.stream_info(name)
     want = decl.config
     if not apply_limits:  # keep the limits the server has (set by a service that knows the run config)
@@ -193,27 +200,78 @@ async def ensure_stream(js: Any, decl: StreamDecl, *, apply_limits: bool = True,
         )
     changed = stream_conflicts(want, info.config)
     if changed:
+        # The replica count is among what is updated in place: a clustered server copies the
+        # stream to new peers (or drops copies) under its messages, with no refusal; only a
+        # server outside a cluster refuses any count above 1 (10074).
         try:
             await js.update_stream(want)
         except APIError as exc:
-            raise BusConfigError(
-                f"stream {name} could not be updated to the declared limits ({'; '.join(changed)}): {exc}. "
-                "Lower the limits in [run.retention] (the server may not have the storage to reserve), or "
-                "update the stream by hand."
-            ) from None
+            raise _declare_error(
+                exc, name, want.num_replicas, placement,
+                f"stream {name} could not be updated to the declared configuration ({'; '.join(changed)})",
+                todo="Lower the limits in [run.retention] (the server may not have the storage to reserve), or "
+                     "update the stream by hand.") from None
         if log is not None:
             log.warning("stream_updated", stream=name, changes=changed)
 
 
 async def ensure_streams(js: Any, subjects: Subjects, *, retention: Retention | None = None, log: Any = None,
-                         **options: Any) -> None:
+                         placement: PlacementWait | None = None, **options: Any) -> None:
     """Create the run's streams if missing, update changed ones in place, refuse fixed-field changes.
-    Without ``retention``, existing streams keep their limits (new ones get the defaults)."""
+    Without ``retention``, existing streams keep their limits and replica counts (new ones get
+    the defaults).  Pass one ``placement`` across the attempts of one start-up."""
     decls = declarations(subjects, retention=retention, **options)
     if {d.kind for d in decls} != set(STREAM_KINDS):
         raise BusConfigError("stream declarations do not cover every stream kind")  # a code defect
-    for decl in [*decls, advisory_declaration(subjects)]:
-        await ensure_stream(js, decl, apply_limits=retention is not None, log=log)
+    placement = placement or PlacementWait()
+    for decl in [*decls, advisory_declaration(subjects, retention=retention)]:
+        await ensure_stream(js, decl, apply_limits=retention is not None, log=log, placement=placement)
+
+
+# --- a cluster that is not ready yet ---------------------------------------------------------
+#
+# Services started together with the servers of a fresh cluster declare their streams while
+# JetStream elects its meta leader and the nodes find each other.  Meanwhile the API answers
+# 503 (10008 "JetStream system temporarily unavailable", 10023 "insufficient resources" before
+# the peers have reported their storage), "no suitable peers for placement" (10005: fewer
+# servers joined than the replicas asked), or nothing at all (a timeout, which ``bus.outage``
+# already retries).  Those are waited out; everything else is a configuration error at once.
+
+PLACEMENT_GRACE_S = 60.0  # nodes started together join within seconds; past this the cluster is too small
+
+
+class PlacementWait:
+    """Since when the cluster has refused to place the run's streams for want of servers (10005):
+    waited out for ``grace`` seconds, then reported as ``[run] replicas`` above the cluster's size."""
+
+    def __init__(self, grace: float = PLACEMENT_GRACE_S) -> None:
+        self.grace = grace
+        self.since: float | None = None
+
+    def refused(self, stream: str, replicas: int, why: str) -> BusError:
+        now = time.monotonic()
+        self.since = now if self.since is None else self.since
+        if now - self.since < self.grace:
+            return ServerUnavailable(f"stream {stream} cannot be placed yet ({why}): waiting for the servers of "
+                                     f"the cluster to join")
+        return BusConfigError(
+            f"stream {stream} asks for {replicas} replicas, and for {self.grace:.0f}s the cluster has had too few "
+            f"JetStream servers to place them ({why}): [run] replicas may not exceed the servers of the cluster "
+            "that are up. Start the missing servers, or lower [run] replicas.")
+
+
+def _declare_error(exc: APIError, name: str, replicas: int | None, placement: PlacementWait, what: str,
+                   todo: str = "") -> BusError:
+    """The error of a refused stream create or update: transient ones as ``ServerUnavailable``."""
+    why = f"{exc.description} (JetStream error {exc.err_code})"
+    if isinstance(exc, ServiceUnavailableError) or exc.code == 503:
+        return ServerUnavailable(f"{what}: {why}; the cluster is electing a leader or still starting")
+    if exc.err_code == 10005:
+        return placement.refused(name, replicas or 1, why)
+    if exc.err_code == 10074:
+        return BusConfigError(f"{what}: {why}. [run] replicas = {replicas} needs a JetStream cluster; a single "
+                              "server keeps one copy: set [run] replicas = 1, or point nats_url at a cluster.")
+    return BusConfigError(f"{what}: {why}. {todo}".rstrip())
 
 
 # --- durable consumers ---------------------------------------------------------------------
@@ -280,6 +338,9 @@ async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec, *, lo
             await js.add_consumer(stream, consumer_config(spec))
             return stream
         except APIError as exc:
+            if isinstance(exc, ServiceUnavailableError) or exc.code == 503:  # a cluster not ready yet
+                raise ServerUnavailable(f"could not create durable {spec.durable!r} on {stream}: {exc.description} "
+                                        f"(JetStream error {exc.err_code}); the cluster is electing a leader") from None
             if exc.err_code in (10099, 10100, 10101):  # overlapping / unfiltered work-queue consumers
                 raise BusConfigError(
                     f"durable {spec.durable!r} on {stream} was refused: {exc.description}. A work-queue "

@@ -97,6 +97,10 @@ class RunSettings(Settings):
     run_dir: str = Field("runs/demo", description="Where metrics.jsonl, checkpoints, report.png and the final policy go.")
     retention: RetentionSettings = Field(default_factory=RetentionSettings, description=(
         "[run.retention]: stream and object-bucket limits; see RetentionSettings."))
+    replicas: int = Field(1, ge=1, le=5, description=(
+        "Copies of each stream and of the object bucket, kept on distinct servers of a NATS cluster: 1 on a "
+        "single server (it cannot keep more), 3 on a 3-node cluster so that losing one node loses nothing. At "
+        "most the cluster's servers; raising it on a live run's streams copies them in place at next connect."))
     publish_outage_s: float = Field(900.0, ge=1.0, le=86_400.0, description=(
         "Seconds a publish waits for an unreachable NATS server before the service gives up (its input stays "
         "un-acked and is redelivered): a server restart or outage shorter than this only pauses the run."))
@@ -144,6 +148,7 @@ class RunSettings(Settings):
             scored_max_msgs=r.scored_keep_steps * self.batch_groups, scored_max_bytes=r.scored_max_mib * MiB,
             control_per_subject=r.control_per_subject, dead_max_msgs=r.dead_max_msgs,
             dead_max_bytes=r.dead_max_mib * MiB, objects_max_bytes=r.objects_max_mib * MiB,
+            replicas=self.replicas,
         )
         return {"retention": retention, "publish_outage": self.publish_outage_s}
 
