@@ -280,8 +280,10 @@ class Connection:
         Returns the stream name."""
         stream = self.subjects.stream(spec.stream)
         if spec not in self._consumers_ok:  # by spec: a changed spec is declared (updated) again
-            await self.through_outage(lambda: ensure_consumer(self.js_declare, self.subjects, spec, log=self.log),
-                                      f"declaring the durable {spec.durable!r} of {stream}")
+            replicas = self.retention.replicas if self.retention is not None else None
+            await self.through_outage(
+                lambda: ensure_consumer(self.js_declare, self.subjects, spec, log=self.log, replicas=replicas),
+                f"declaring the durable {spec.durable!r} of {stream}")
             self._consumers_ok.add(spec)
         self.max_deliveries.start()
         return stream

@@ -19,6 +19,12 @@ stream's messages — its subjects, retention policy or storage — is refused (
 naming the differing fields.  Limits are applied only by a connection given a ``Retention``
 (the services, from the run config); without one (a CLI tool) existing limits are kept.
 
+Replicas (``[run] replicas``, ``Retention.replicas``): every stream above and the object bucket
+are kept on that many servers of a cluster; a live run's streams and durables are raised (or
+lowered) in place at the next connect.  A cluster that is still electing its leader or joining
+its nodes is waited out; a refusal that will not pass is a ``BusConfigError`` at once (see "a
+cluster that is not ready yet" below).
+
 Durables: ``ensure_consumer`` creates a missing one and updates ``ack_wait``, ``max_deliver``,
 ``max_ack_pending`` of an existing one in place (the durable keeps its position and its
 un-acked messages); a different filter or ack policy is refused with what to do.
@@ -327,9 +333,21 @@ def consumer_changes(spec: ConsumerSpec, have: api.ConsumerConfig) -> list[str]:
             if not _same(f, getattr(spec, f), getattr(have, f))]
 
 
-async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec, *, log: Any = None) -> str:
+def _copies(info: api.ConsumerInfo) -> int:
+    """Servers that keep a durable: as configured, else (0: its stream's count when it was made)
+    its leader and its peers; one outside a cluster.  A raised count shows in the config at once
+    and in the peers only once the server has copied the durable (seconds)."""
+    if info.config.num_replicas:
+        return int(info.config.num_replicas)
+    return 1 + len(info.cluster.replicas or []) if info.cluster is not None else 1
+
+
+async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec, *, log: Any = None,
+                          replicas: int | None = None) -> str:
     """Create the durable if missing; update its tunables in place; refuse a changed filter or
-    ack policy.  Returns the stream name."""
+    ack policy.  Returns the stream name.  A new durable has as many copies as its stream; an
+    existing one is given ``replicas`` copies in place (None: kept): raising a stream's replicas
+    leaves its durables where they were, on one server that a node loss would take away."""
     stream = subjects.stream(spec.stream)
     try:
         info = await js.consumer_info(stream, spec.durable)
@@ -362,21 +380,27 @@ async def ensure_consumer(js: Any, subjects: Subjects, spec: ConsumerSpec, *, lo
             f"(`nats consumer rm {stream} {spec.durable}`) would redeliver the stream from its start."
         )
     changes = consumer_changes(spec, info.config)
+    copies = {}
+    if replicas is not None and _copies(info) != replicas:
+        copies = {"num_replicas": replicas}
+        changes.append(f"num_replicas: {_copies(info)} -> {replicas}")
     if changes:
-        await _update_consumer(js, stream, spec, info.config, changes)
+        await _update_consumer(js, stream, spec, info.config, changes, copies)
         if log is not None:
             log.warning("durable_updated", stream=stream, durable=spec.durable, changes=changes)
     return stream
 
 
 async def _update_consumer(js: Any, stream: str, spec: ConsumerSpec, have: api.ConsumerConfig,
-                           changes: list[str]) -> None:
+                           changes: list[str], copies: dict[str, int]) -> None:
     # The server's own config with our tunables: the deliver policy, start position and
     # everything else the durable was made with stay as they are (they cannot change).
-    cfg = replace(have, **{f: getattr(spec, f) for f in _TUNABLE})
+    cfg = replace(have, **{f: getattr(spec, f) for f in _TUNABLE}, **copies)
     try:
         await js.add_consumer(stream, cfg)  # create-or-update: an existing durable is updated
     except APIError as exc:
+        if exc.code == 503:
+            raise ServerUnavailable(f"durable {spec.durable!r} on {stream}: {exc.description}") from None
         raise BusConfigError(
             f"durable {spec.durable!r} on {stream} could not be updated in place ({'; '.join(changes)}): {exc}. "
             "Keep the old settings (they are shown above as 'old -> new') or update the durable by hand."

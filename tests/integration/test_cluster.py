@@ -208,7 +208,15 @@ async def test_a_runs_streams_are_raised_from_one_replica_to_three_in_place(tmp_
                     return replicas == 3 and bool(leader) and len(peers) == 2
                 await eventually_async(three_current, timeout=30)
             assert await new.objects.get("w") == b"weights" * 100
-            (d,) = await new.puller(task_spec(new), Task.decode).fetch(1, timeout=5.0)
+            # The durable made at one replica is copied too, or a node loss would take it away.
+            puller = new.puller(task_spec(new), Task.decode)
+            await puller.pending()  # declares (updates) the durable
+
+            async def durable_on_three() -> bool:
+                info = await new.connection.js.consumer_info(s.stream("TASKS"), task_spec(new).durable)
+                return info.cluster is not None and len(info.cluster.replicas or []) == 2
+            await eventually_async(durable_on_three, timeout=60)
+            (d,) = await puller.fetch(1, timeout=5.0)
             assert d.msg.task_id == "t1"
             await d.ack()
         finally:
