@@ -16,8 +16,9 @@ take with the server reachable), ``publish_outage`` (s a publish waits out a dis
 ``bus.publish``), ``attempt_timeout`` (s), ``error_backoff`` ((base, cap) s of a failed handler's
 redelivery), ``shutdown_grace`` (s a running handler gets when its consume is cancelled),
 ``serve_concurrency``, ``retention`` (a ``bus.retention.Retention``: the streams' limits, applied
-in place; None keeps existing limits), plus ``ensure`` (declare the run's streams) and
-``connect_timeout``.
+in place; None keeps existing limits; its ``replicas`` the copies in a cluster), plus ``ensure``
+(declare the run's streams) and ``connect_timeout`` (s to reach a server, and then to declare the
+streams on one that cannot answer yet: a cluster electing its leader or joining its nodes).
 """
 
 from __future__ import annotations

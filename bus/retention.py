@@ -29,6 +29,9 @@ default: the server *reserves* a stream's ``max_bytes`` of its storage when the 
 every run would exhaust a shared server; message caps reserve nothing.  A stream that exists with
 other limits is updated in place (``bus.streams.ensure_stream``); limits are given to the bus only by
 services that know the run config, so a tool connecting without them leaves existing limits alone.
+
+``replicas`` (``[run] replicas``) is how many servers of a cluster keep each stream, each durable
+and the object bucket; changed the same way, in place, and likewise left alone by a tool.
 """
 
 from __future__ import annotations
