@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import nats
 import nats.errors
@@ -38,19 +38,22 @@ from nats.js.errors import NotFoundError
 
 from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
+from bus.credentials import Credentials, CredentialsError
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
 from bus.outage import api_errors, through_outage
+from bus.permissions import Denials
 from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
 from bus.retention import Retention
 from bus.routing import WORK_QUEUES, stream_kind_of
 from bus.streams import ensure_consumer, ensure_streams, limit_key
-from bus.subjects import Subjects
-from bus.urls import BadServerURL, server_urls
+from bus.subjects import STREAM_KINDS, Subjects
+from bus.urls import BadServerURL, redact_url, server_urls, url_has_userinfo, url_user
 from observability.logging import get_logger
 
+T = TypeVar("T")
 KiB, MiB = 1024, 1024 * 1024
 CLAIM_HEADROOM = 512 * KiB
 DEFAULT_PUBLISH_OUTAGE_S = 900.0  # see bus.publish: how long a publish waits out a server outage
@@ -65,19 +68,34 @@ _DELIVER = {
 
 class _Events:
     """nats-py's callbacks for one connection: quiet about our own close, and one log line per
-    100 failed reconnect attempts (they come four a second while the server is away)."""
+    100 failed reconnect attempts (they come four a second while the server is away).
+
+    Two server refusals are made loud, because nats-py only reports them to this callback and the
+    request that caused them then times out with no reason given: a refused login (``refused``,
+    which ``Connection.open`` waits on beside the connect) and a permission violation
+    (``denials``, which ``Connection.startup`` waits on beside the start-up declarations)."""
 
     def __init__(self, log: Any, url: str) -> None:
         self.log = log
-        self.url = url
+        self.url = redact_url(url)
         self.conn: Connection | None = None
         self.errors = 0  # since the last (re)connect
+        self.refused = asyncio.Event()
+        self.denials = Denials()
 
     def _ours(self) -> bool:
         return self.conn is not None and self.conn.closed
 
     async def on_error(self, exc: Exception) -> None:
         if self._ours():
+            return
+        # During the first connect nats-py reports a refused login as a plain Error with this text.
+        if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+            self.refused.set()
+        denial = self.denials.note(exc)
+        if denial is not None:
+            self.log.error("nats_permission_denied", permission=denial.permission, subject=denial.subject,
+                           todo="grant it to this connection's user in the server's auth config (rlbus auth init)")
             return
         self.errors += 1
         if self.errors == 1 or self.errors % 100 == 0:
@@ -136,48 +154,86 @@ class Connection:
         self.max_deliveries = MaxDeliveries(self)
         self._consumers_ok: set[ConsumerSpec] = set()
         self._last_errors: dict[tuple[str, int], str] = {}
+        self.denials = Denials()  # replaced by the one the connection's error callback feeds (``open``)
+        self.user: str | None = None  # the NATS user logged in as, for error messages (set by ``open``)
 
     # --- open / state / close ------------------------------------------------------------
     @classmethod
     async def open(cls, url: str, run: str, *, name: str, connect_timeout: float = 10.0,
-                   **options: Any) -> Connection:
-        """Connect (reconnecting forever after the first success) within ``connect_timeout``."""
+                   credentials: Credentials | None = None, **options: Any) -> Connection:
+        """Connect (reconnecting forever after the first success) within ``connect_timeout``, as
+        ``credentials`` (default: from the environment, ``Credentials.from_env``).  A login the
+        server refuses fails at once with the key to check, not after the timeout."""
         try:
             servers = server_urls(url or "")
         except BadServerURL as exc:
             raise BusError(str(exc)) from None
+        creds = credentials if credentials is not None else Credentials.from_env()
+        login = creds.connect_options()
+        user = creds.user or url_user(url)
+        if user and "inbox_prefix" not in login and not (creds.creds_file or creds.nkey_seed_file):
+            login["inbox_prefix"] = f"_INBOX.{user}"  # a user in the URL gets its own inboxes too
         events = _Events(get_logger(component="bus", bus=name, run=run), url)
         nc = nats.NATS()
         # Pings every 5 s, 3 unanswered = lost: a server that vanished without closing the socket
         # is noticed within ~20 s, inside a publish's deadline, so publishes wait it out as an outage.
+        connecting = asyncio.ensure_future(nc.connect(
+            servers=servers, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
+            connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
+            pending_size=64 * MiB, drain_timeout=10, error_cb=events.on_error,
+            disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
+            closed_cb=events.on_closed, **login,
+        ))
+        refused = asyncio.ensure_future(events.refused.wait())
         try:
-            await asyncio.wait_for(nc.connect(
-                servers=servers, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
-                connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
-                pending_size=64 * MiB, drain_timeout=10, error_cb=events.on_error,
-                disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
-                closed_cb=events.on_closed,
-            ), timeout=connect_timeout)
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await asyncio.wait([connecting, refused], timeout=connect_timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            refused.cancel()
+        failure: BaseException | None = None
+        if events.refused.is_set() and not nc.is_connected:
+            failure = CredentialsError(
+                f"authorization violation: the NATS server at {redact_url(url)} refused the login of "
+                f"{name!r} ({creds.what_to_check(url_has_userinfo(url))})")
+        elif not connecting.done():
+            failure = TimeoutError()
+        elif connecting.exception() is not None:
+            failure = connecting.exception()
+        if failure is not None:
+            connecting.cancel()
             try:
                 await nc.close()
             except Exception:  # noqa: BLE001 - we are already reporting the real failure
                 pass
+            if isinstance(failure, CredentialsError):
+                raise failure
+            if not isinstance(failure, (TimeoutError, OSError, nats.errors.Error)):
+                raise failure
             raise BusError(
-                f"cannot connect to NATS at {url} within {connect_timeout:.0f}s ({exc!r}); "
+                f"cannot connect to NATS at {redact_url(url)} within {connect_timeout:.0f}s ({failure!r}); "
                 "is the server running (`rlbus nats`) and the URL right?"
             ) from None
         conn = cls(nc, run, name=name, **options)
+        events.denials.known = (run, *(conn.subjects.stream(k) for k in STREAM_KINDS), conn.subjects.advisory_stream,
+                                conn.objects.stream, conn.subjects.object_bucket)
+        conn.denials = events.denials
+        conn.user = user
         events.conn = conn
         return conn
 
+    async def startup(self, op: Awaitable[T], what: str) -> T:
+        """``op`` (a start-up declaration), failing at once with ``PermissionDenied`` naming the
+        subject if the server refuses this user a permission meanwhile, instead of waiting out the
+        request's timeout and the outage deadline behind it."""
+        return await self.denials.guard(op, what, user=self.user)
+
     async def ensure_streams(self) -> None:
         """Declare the run's streams, riding out a server that goes away meanwhile (idempotent)."""
-        await through_outage(
+        what = f"declaring the streams of run {self.subjects.run!r}"
+        await self.startup(through_outage(
             lambda: ensure_streams(self.js, self.subjects, retention=self.retention, log=self.log),
-            f"declaring the streams of run {self.subjects.run!r}", connected=lambda: bool(self.nc.is_connected),
-            deadline=self.publisher.deadline, outage=self.publisher.outage)
+            what, connected=lambda: bool(self.nc.is_connected),
+            deadline=self.publisher.deadline, outage=self.publisher.outage), what)
 
     def full_error(self, subject_or_stream: str, why: str) -> StreamFull:
         """The ``StreamFull`` of a publish (or object put) refused at a discard-new limit."""
@@ -260,7 +316,8 @@ class Connection:
         Returns the stream name."""
         stream = self.subjects.stream(spec.stream)
         if spec not in self._consumers_ok:  # by spec: a changed spec is declared (updated) again
-            await ensure_consumer(self.js, self.subjects, spec, log=self.log)
+            await self.startup(ensure_consumer(self.js, self.subjects, spec, log=self.log),
+                               f"declaring consumer {spec.durable!r} on {stream}")
             self._consumers_ok.add(spec)
         self.max_deliveries.start()
         return stream
