@@ -23,7 +23,7 @@ import pytest
 from bus.credentials import Credentials, CredentialsError
 from bus.jetstream import JetStreamBus
 from bus.permissions import PermissionDenied
-from bus.protocol import ConsumerSpec
+from bus.protocol import BusError, ConsumerSpec
 from bus.server import EmbeddedServer
 from services.commands.auth import ROLES, init
 from services.runtime.config import RunSettings
@@ -312,3 +312,93 @@ async def test_a_password_in_the_url_works_and_is_never_in_an_error(secured, tmp
                                    credentials=Credentials(), **OPTIONS)
     assert "check the user:password in the NATS URL" in str(err.value)
     assert password not in str(err.value) and "***@" in str(err.value)
+
+
+# --- credentials in the config, and where they may not go ------------------------------------------
+def test_a_clear_password_key_is_refused_with_where_to_put_it(tmp_path, monkeypatch):
+    from services.reward.settings import RewardSettings
+    from services.runtime.config import ConfigError, load
+
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\nnats_user = "reward"\nnats_password = "hunter2"\n')
+    with pytest.raises(ConfigError, match=r"nats_password is not a key.*nats_password_file.*RLBUS_NATS_PASSWORD") as err:
+        load(cfg, RewardSettings, "reward")
+    assert "hunter2" not in str(err.value)
+    monkeypatch.setenv("RLBUS_RUN__NATS_PASSWORD", "hunter2")
+    with pytest.raises(ConfigError, match="nats_password is not a key"):
+        load(None, RewardSettings, "reward")
+
+
+def test_the_password_comes_from_its_file_or_the_environment(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLBUS_NATS_PASSWORD", raising=False)
+    secret = tmp_path / "reward.password"
+    secret.write_text("s3cret\n")
+    run = RunSettings(nats_user="reward", nats_password_file=str(secret))
+    creds = run.bus_options()["credentials"]
+    assert creds.connect_options()["password"] == "s3cret" and creds.inbox_prefix == "_INBOX.reward"
+    assert "s3cret" not in repr(creds) and run.redacted()["nats_password_file"] == "***"
+    monkeypatch.setenv("RLBUS_NATS_PASSWORD", "from-env")
+    assert RunSettings(nats_user="reward").credentials().password == "from-env"
+    with pytest.raises(CredentialsError, match=r"nats_password_file = .*missing.* cannot be read"):
+        RunSettings(nats_user="reward", nats_password_file=str(tmp_path / "missing")).credentials()
+    with pytest.raises(CredentialsError, match="no user: set \\[run\\] nats_user"):
+        RunSettings().credentials()
+
+
+def test_a_password_in_a_url_is_never_logged_or_put_in_an_error():
+    from bus.urls import BadServerURL, redact_url, server_urls
+
+    url = "nats://gen:pw123@nats-1:4222,nats://nats-2:4222"
+    assert redact_url(url) == "nats://***@nats-1:4222,nats://nats-2:4222"
+    assert RunSettings(nats_url=url).redacted()["nats_url"] == redact_url(url)
+    with pytest.raises(BadServerURL) as err:
+        server_urls("nats://gen:pw123@")
+    assert "pw123" not in str(err.value)
+
+
+# --- TLS -----------------------------------------------------------------------------------------
+def _openssl(*args: str, cwd: Path) -> None:
+    import subprocess
+
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _certificates(d: Path) -> None:
+    """A throwaway CA, a server certificate for 127.0.0.1 and a client certificate it signed."""
+    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes")
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "1", "-subj", "/CN=rlbus-test-ca",
+             cwd=d)
+    for who, ext in (("server", "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth"),
+                     ("client", "extendedKeyUsage=clientAuth")):
+        (d / f"{who}.ext").write_text(ext + "\n")
+        _openssl("req", *ec, "-keyout", f"{who}.key", "-out", f"{who}.csr", "-subj", f"/CN={who}", cwd=d)
+        _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{who}.pem", "-days", "1", "-extfile", f"{who}.ext", cwd=d)
+
+
+async def test_mutual_tls_with_the_run_keys(tmp_path):
+    import shutil
+
+    if shutil.which("openssl") is None:
+        pytest.skip("the openssl command makes this test's certificates")
+    _certificates(tmp_path)
+    tls = tmp_path / "tls.conf"
+    tls.write_text(f"tls {{ cert_file: {str(tmp_path / 'server.pem')!r}, key_file: {str(tmp_path / 'server.key')!r}, "
+                   f"ca_file: {str(tmp_path / 'ca.pem')!r}, verify: true }}\n".replace("'", '"'))
+    server = EmbeddedServer(tmp_path / "nats", include=tls)
+    server.start()
+    try:
+        run = RunSettings(run="tlsrun", nats_url=server.url, nats_tls_ca=str(tmp_path / "ca.pem"),
+                          nats_tls_cert=str(tmp_path / "client.pem"), nats_tls_key=str(tmp_path / "client.key"))
+        bus = await JetStreamBus.connect(server.url, run.run, name="tls", connect_timeout=10.0,
+                                         credentials=run.credentials())
+        try:
+            await publish(bus, bus.subjects.dead("tls"))  # a stored, acknowledged publish over TLS
+        finally:
+            await bus.close()
+        no_client_cert = RunSettings(run="tlsrun", nats_tls_ca=str(tmp_path / "ca.pem"))
+        with pytest.raises(BusError, match="cannot connect"):
+            await JetStreamBus.connect(server.url, run.run, name="tls", connect_timeout=3.0,
+                                       credentials=no_client_cert.credentials())
+    finally:
+        server.stop()
