@@ -402,3 +402,17 @@ async def test_mutual_tls_with_the_run_keys(tmp_path):
                                        credentials=no_client_cert.credentials())
     finally:
         server.stop()
+
+
+async def test_cli_tools_log_in_from_the_operator_env_file(secured, monkeypatch):
+    """``rlbus publish``/``status``/``streams`` take no run config: they read operator.env's variables."""
+    server, secrets = secured
+    for line in (secrets / "operator.env").read_text().splitlines():
+        key, _, value = line.partition("=")
+        monkeypatch.setenv(key, value)
+    from services.commands.streams import streams
+
+    assert await asyncio.to_thread(streams, RUN, server.url, as_json=True) == 0
+    monkeypatch.setenv("RLBUS_NATS_PASSWORD", "wrong")
+    with pytest.raises(CredentialsError, match="check \\[run\\] nats_user = 'operator'.*RLBUS_NATS_PASSWORD"):
+        await asyncio.to_thread(streams, RUN, server.url, as_json=True)
