@@ -38,7 +38,7 @@ from nats.js.errors import NotFoundError
 
 from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
-from bus.credentials import Credentials, CredentialsError
+from bus.credentials import Credentials, CredentialsError, inbox_prefix
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
 from bus.outage import api_errors, through_outage
@@ -116,6 +116,22 @@ class _Events:
             self.log.error("nats_connection_closed", url=self.url, todo="the bus is closed for good; restart the service")
 
 
+async def _connect_outcome(nc: Any, connecting: asyncio.Future[Any], events: _Events,
+                           timeout: float) -> BaseException | None:
+    """None once ``connecting`` succeeded; else why not: the server refused the login (at once, not
+    after ``timeout``: nats-py would retry a refused login forever), the timeout, or the error."""
+    refused = asyncio.ensure_future(events.refused.wait())
+    try:
+        await asyncio.wait([connecting, refused], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused.cancel()
+    if events.refused.is_set() and not nc.is_connected:
+        return PermissionError("login refused")
+    if not connecting.done():
+        return TimeoutError()
+    return connecting.exception()
+
+
 class Connection:
     """What a ``JetStreamBus`` and its consume loops, pullers and watches share."""
 
@@ -170,9 +186,9 @@ class Connection:
             raise BusError(str(exc)) from None
         creds = credentials if credentials is not None else Credentials.from_env()
         login = creds.connect_options()
-        user = creds.user or url_user(url)
-        if user and "inbox_prefix" not in login and not (creds.creds_file or creds.nkey_seed_file):
-            login["inbox_prefix"] = f"_INBOX.{user}"  # a user in the URL gets its own inboxes too
+        user = creds.user or url_user(url)  # a user named in the URL gets its own inboxes too
+        if user and not (creds.creds_file or creds.nkey_seed_file):
+            login["inbox_prefix"] = inbox_prefix(user)
         events = _Events(get_logger(component="bus", bus=name, run=run), url)
         nc = nats.NATS()
         # Pings every 5 s, 3 unanswered = lost: a server that vanished without closing the socket
@@ -185,28 +201,17 @@ class Connection:
             disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
             closed_cb=events.on_closed, **login,
         ))
-        refused = asyncio.ensure_future(events.refused.wait())
-        try:
-            await asyncio.wait([connecting, refused], timeout=connect_timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            refused.cancel()
-        failure: BaseException | None = None
-        if events.refused.is_set() and not nc.is_connected:
-            failure = CredentialsError(
-                f"authorization violation: the NATS server at {redact_url(url)} refused the login of "
-                f"{name!r} ({creds.what_to_check(url_has_userinfo(url))})")
-        elif not connecting.done():
-            failure = TimeoutError()
-        elif connecting.exception() is not None:
-            failure = connecting.exception()
+        failure = await _connect_outcome(nc, connecting, events, connect_timeout)
         if failure is not None:
             connecting.cancel()
             try:
                 await nc.close()
             except Exception:  # noqa: BLE001 - we are already reporting the real failure
                 pass
-            if isinstance(failure, CredentialsError):
-                raise failure
+            if events.refused.is_set():
+                raise CredentialsError(
+                    f"authorization violation: the NATS server at {redact_url(url)} refused the login of "
+                    f"{name!r} ({creds.what_to_check(url_has_userinfo(url))})")
             if not isinstance(failure, (TimeoutError, OSError, nats.errors.Error)):
                 raise failure
             raise BusError(

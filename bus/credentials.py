@@ -28,6 +28,12 @@ _ENV_KEYS = {
 }
 
 
+def inbox_prefix(user: str) -> str:
+    """The reply inboxes of a named user: ``Connection.open`` sets it, ``rlbus auth init`` grants
+    each role subscriptions under its own and no other."""
+    return f"_INBOX.{user}"
+
+
 class CredentialsError(BusError):
     """A credential file is missing or unreadable, or the server refused the credentials."""
 
@@ -88,11 +94,6 @@ class Credentials:
         """For tools without a run config: the ``RLBUS_RUN__NATS_*`` and ``RLBUS_NATS_PASSWORD`` variables."""
         return cls.build(**{k: os.environ.get(v) or None for k, v in _ENV_KEYS.items()})
 
-    @property
-    def inbox_prefix(self) -> str | None:
-        """``_INBOX.<user>`` for a named user (``rlbus auth init`` grants each role only its own)."""
-        return f"_INBOX.{self.user}" if self.user else None
-
     def connect_options(self) -> dict[str, Any]:
         """Keyword arguments of ``nats.NATS.connect``."""
         out: dict[str, Any] = {}
@@ -100,7 +101,6 @@ class Credentials:
             out["user"] = self.user
             if self.password:
                 out["password"] = self.password
-            out["inbox_prefix"] = self.inbox_prefix
         for path, key in ((self.creds_file, "nats_creds_file"), (self.nkey_seed_file, "nats_nkey_seed_file")):
             if path and not Path(path).expanduser().is_file():
                 raise CredentialsError(f"[run] {key} = {path!r} is not a file; point it at the file your "

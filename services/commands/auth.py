@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bus.advisories import ADVISORY_DURABLE
+from bus.credentials import inbox_prefix
 from bus.routing import WORK_QUEUES
 from bus.subjects import ENV_OPS, STREAM_KINDS, Subjects
 from services.catalog import SERVICES
@@ -138,7 +139,7 @@ class RunPermissions:
         g.pub(self.s.metrics_of(role), f"{self.s.root}.dead.*")
         if role in CONSUMERS:  # a connection follows the advisories once it declares a durable
             self.consume(g, None, [ADVISORY_DURABLE], stream=self.s.advisory_stream)
-        g.sub(f"_INBOX.{role}.>")
+        g.sub(f"{inbox_prefix(role)}.>")
         return g
 
     def consume(self, g: Grant, kind: str | None, durables: list[str], *, stream: str | None = None) -> None:
@@ -186,7 +187,7 @@ class RunPermissions:
             g.pub(f"{API}.STREAM.*.{st}", f"{API}.STREAM.MSG.*.{st}", f"{API}.CONSUMER.*.{st}",
                   f"{API}.CONSUMER.*.{st}.>", f"{API}.CONSUMER.DURABLE.CREATE.{st}.>", f"{API}.CONSUMER.MSG.NEXT.{st}.>",
                   f"{API}.DIRECT.GET.{st}", f"{API}.DIRECT.GET.{st}.>", f"$JS.ACK.{st}.>", f"$JS.FC.{st}.>")
-        g.sub(f"_INBOX.{OPERATOR}.>")
+        g.sub(f"{inbox_prefix(OPERATOR)}.>")
         return g
 
 

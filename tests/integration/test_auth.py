@@ -335,7 +335,7 @@ def test_the_password_comes_from_its_file_or_the_environment(tmp_path, monkeypat
     secret.write_text("s3cret\n")
     run = RunSettings(nats_user="reward", nats_password_file=str(secret))
     creds = run.bus_options()["credentials"]
-    assert creds.connect_options()["password"] == "s3cret" and creds.inbox_prefix == "_INBOX.reward"
+    assert creds.connect_options()["password"] == "s3cret" and creds.connect_options()["user"] == "reward"
     assert "s3cret" not in repr(creds) and run.redacted()["nats_password_file"] == "***"
     monkeypatch.setenv("RLBUS_NATS_PASSWORD", "from-env")
     assert RunSettings(nats_user="reward").credentials().password == "from-env"
