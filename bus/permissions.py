@@ -14,7 +14,7 @@ import asyncio
 import re
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from bus.protocol import BusError
 
@@ -83,8 +83,9 @@ class Denials:
         denied: asyncio.Future[Denial] = asyncio.get_running_loop().create_future()
         self._waiters.add(denied)
         work = asyncio.ensure_future(op)
+        either: list[asyncio.Future[Any]] = [work, denied]
         try:
-            await asyncio.wait([work, denied], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         finally:
             self._waiters.discard(denied)
         if work.done():
