@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         "init", help="write auth.conf (bcrypt hashes) and one 0600 password file per role; prints no secret")
     auth_init.add_argument("--out", required=True, help="folder for auth.conf and the per-role secret files")
     auth_init.add_argument("--config", default=None, help="run config TOML (its [run] names the subjects granted)")
+    auth_init.add_argument("--run", default=None, help="run name (overrides [run] run)")
     auth_init.add_argument("--force", action="store_true", help="replace an existing auth.conf (new passwords)")
 
     init = sub.add_parser("init-model", help="build the small warm-started policy as a Hugging Face folder")
@@ -106,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "auth":
         from services.commands.auth import auth_init_cmd
 
-        return auth_init_cmd(args.out, args.config, force=args.force)
+        return auth_init_cmd(args.out, args.config, run=args.run, force=args.force)
     if args.cmd == "init-model":
         from services.commands.init_model import init_model_cmd
 

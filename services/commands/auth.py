@@ -246,9 +246,12 @@ def init(out: str | Path, run_cfg: RunSettings, *, force: bool = False) -> dict[
     return written
 
 
-def auth_init_cmd(out: str, config: str | None, *, force: bool) -> int:
+def auth_init_cmd(out: str, config: str | None, *, run: str | None = None, force: bool = False) -> int:
     try:
-        run_cfg = load_section(RunSettings, read_toml(config), "run")
+        data = read_toml(config)
+        if run is not None:
+            data["run"] = {**data.get("run", {}), "run": run}
+        run_cfg = load_section(RunSettings, data, "run")
         written = init(out, run_cfg, force=force)
     except (ConfigError, FileExistsError) as exc:
         print(f"rlbus auth init: {exc}", file=sys.stderr)

@@ -55,7 +55,7 @@ async def test_a_pipeline_of_per_role_users_trains_without_a_refusal(tiny_model:
         finally:
             await bus.close()
         logs = {c.name: c.log_path.read_text(errors="replace") for c in p.children.children}
-    refused = {name: [ln for ln in text.splitlines() if "nats_permission_denied" in ln or "Authorization" in ln]
+    refused = {name: [ln for ln in text.splitlines() if "nats_permission_denied" in ln or "authorization violation" in ln.lower()]
                for name, text in logs.items()}
     assert not any(refused.values()), f"services were refused by the server: {refused}"
     for name, text in logs.items():

@@ -416,3 +416,20 @@ async def test_cli_tools_log_in_from_the_operator_env_file(secured, monkeypatch)
     monkeypatch.setenv("RLBUS_NATS_PASSWORD", "wrong")
     with pytest.raises(CredentialsError, match="check \\[run\\] nats_user = 'operator'.*RLBUS_NATS_PASSWORD"):
         await asyncio.to_thread(streams, RUN, server.url, as_json=True)
+
+
+def test_rlbus_auth_init_prints_no_secret_and_keeps_existing_passwords(tmp_path, capsys):
+    from services.cli import main
+
+    out = tmp_path / "auth"
+    assert main(["auth", "init", "--out", str(out), "--run", "other"]) == 0
+    printed = capsys.readouterr().out
+    before = {role: (out / f"{role}.password").read_text().strip() for role in ROLES}
+    assert not any(pw in printed for pw in before.values())
+    assert '"rl.other.rollouts.train"' in (out / "auth.conf").read_text()  # the run's own names
+    assert stat.S_IMODE(out.stat().st_mode) == 0o700
+    assert main(["auth", "init", "--out", str(out)]) == 2  # would rotate every password
+    assert "--force" in capsys.readouterr().err
+    assert {role: (out / f"{role}.password").read_text().strip() for role in ROLES} == before
+    assert main(["auth", "init", "--out", str(out), "--force"]) == 0
+    assert (out / "generator.password").read_text().strip() != before["generator"]
