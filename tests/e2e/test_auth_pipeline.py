@@ -5,7 +5,10 @@ tests/integration/test_auth.py."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -21,8 +24,28 @@ from tests.e2e.harness import Pipeline, wait_heartbeat
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
+T = TypeVar("T")
 RUN = "authpipe"
 STEPS = 3
+
+
+def violations(server: EmbeddedServer) -> list[str]:
+    """The server's own account: it logs every publish/subscribe violation with the user and subject."""
+    return [ln for ln in server.log_path.read_text(errors="replace").splitlines() if "Violation" in ln]
+
+
+async def unrefused(server: EmbeddedServer, waiting: Awaitable[T]) -> T:
+    """``waiting``, failed at once when the server refuses any service anything meanwhile (a
+    missing grant otherwise shows only as a service that never gets on)."""
+    task = asyncio.ensure_future(waiting)
+    try:
+        while not task.done():
+            await asyncio.wait([task], timeout=1.0)
+            if refused := violations(server):
+                raise AssertionError("the server refused:\n" + "\n".join(refused[:20]))
+        return task.result()
+    finally:
+        task.cancel()
 
 
 async def test_a_pipeline_of_per_role_users_trains_without_a_refusal(tiny_model: Path, tmp_path: Path) -> None:
@@ -49,15 +72,18 @@ async def test_a_pipeline_of_per_role_users_trains_without_a_refusal(tiny_model:
             tasks = [Task(run=RUN, task_id=t.task_id, pool="train", env="addition", prompt=t.prompt, answer=t.answer,
                           group_size=4) for t in make_split("train", 64, seed=5)]
             await bus.publish_many([(bus.subjects.tasks(t.pool), t.encode(), t.msg_id) for t in tasks])
-            await wait_heartbeat(bus, lambda hb: hb.service == "trainer" and hb.version >= STEPS, timeout=400)
+            await unrefused(p.server, wait_heartbeat(
+                bus, lambda hb: hb.service == "trainer" and hb.version >= STEPS, timeout=300))
             # Weights went trainer -> object store -> broadcast -> generator under their own users.
-            await wait_heartbeat(bus, lambda hb: hb.service == "generator" and hb.version >= 1, timeout=120)
+            await unrefused(p.server, wait_heartbeat(
+                bus, lambda hb: hb.service == "generator" and hb.version >= 1, timeout=120))
         finally:
             await bus.close()
         logs = {c.name: c.log_path.read_text(errors="replace") for c in p.children.children}
     refused = {name: [ln for ln in text.splitlines() if "nats_permission_denied" in ln or "authorization violation" in ln.lower()]
                for name, text in logs.items()}
     assert not any(refused.values()), f"services were refused by the server: {refused}"
+    assert not violations(p.server), "the server refused:\n" + "\n".join(violations(p.server)[:20])
     for name, text in logs.items():
         password = (secrets / f"{'generator' if name.startswith('gen') else name}.password").read_text().strip()
         assert password not in text, f"{name} logged its password"
