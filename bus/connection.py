@@ -227,9 +227,10 @@ class Connection:
         return conn
 
     async def startup(self, op: Awaitable[T], what: str) -> T:
-        """``op`` (a start-up declaration), failing at once with ``PermissionDenied`` naming the
-        subject if the server refuses this user a permission meanwhile, instead of waiting out the
-        request's timeout and the outage deadline behind it."""
+        """``op`` (a declaration: streams, a durable, a watch, a last-message read — what a service
+        does as it starts), failing at once with ``PermissionDenied`` naming the subject if the
+        server refuses this user a permission meanwhile, instead of waiting out the request's
+        timeout and the outage deadline behind it."""
         return await self.denials.guard(op, what, user=self.user)
 
     async def ensure_streams(self) -> None:
@@ -340,16 +341,17 @@ class Connection:
     async def subscribe_ordered(self, subject: str, *, stream: str, deliver: str,
                                 cb: Callable[[Msg], Awaitable[None]]) -> Any:
         """An ordered, ephemeral, ack-none push consumer of ``subject`` (for watches)."""
-        return await self.js.subscribe(
+        return await self.startup(self.js.subscribe(
             subject, stream=stream, ordered_consumer=True, deliver_policy=_DELIVER[deliver], cb=cb,
             pending_bytes_limit=512 * MiB,
-        )
+        ), f"watching {subject!r}")
 
     async def last_msg(self, stream: str, subject: str) -> tuple[bytes, dict[str, str]] | None:
         """The newest stored message on ``subject`` (resolved), or None."""
         try:
             with api_errors(f"the last message on {subject!r}"):
-                raw = await self.js.get_last_msg(stream, subject, direct=True)
+                raw = await self.startup(self.js.get_last_msg(stream, subject, direct=True),
+                                         f"reading the last message on {subject!r}")
         except NotFoundError:
             return None
         data, headers, _ = await self.resolve(raw.data or b"", dict(raw.headers or {}))

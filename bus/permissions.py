@@ -79,7 +79,9 @@ class Denials:
         return denial
 
     async def guard(self, op: Awaitable[T], what: str, *, user: str | None) -> T:
-        """``op``, or ``PermissionDenied`` as soon as a violation arrives while it runs."""
+        """``op``, or ``PermissionDenied`` as soon as a violation arrives while it runs.  The server does
+        not say which request it refused, so operations running at once all fail with the one
+        subject it named (``what`` says what each was doing, not that it caused the refusal)."""
         denied: asyncio.Future[Denial] = asyncio.get_running_loop().create_future()
         self._waiters.add(denied)
         work = asyncio.ensure_future(op)
@@ -98,6 +100,6 @@ class Denials:
         d = denied.result()
         who = f"user {user!r}" if user else "this connection's user"
         raise PermissionDenied(
-            f"{what}: the NATS server denied {who} permission to {d.permission} {d.subject!r}; grant it in "
+            f"the NATS server denied {who} permission to {d.permission} {d.subject!r} while {what}; grant it in "
             "the server's auth config (regenerate it with `rlbus auth init` for this run's names) or connect as the "
             "role that owns this work", permission=d.permission, subject=d.subject)

@@ -70,7 +70,10 @@ async def pull_one_and_ack(bus: JetStreamBus, spec: ConsumerSpec) -> None:
         assert got, f"nothing to pull from {spec.durable}"
         await got[0].ack()
         await bus.connection.nc.flush()
-        info = await bus.connection.js.consumer_info(bus.subjects.stream(spec.stream), spec.durable)
+        deadline = time.monotonic() + 10.0  # the server applies an ack shortly after it arrives
+        while (info := await bus.connection.js.consumer_info(bus.subjects.stream(spec.stream), spec.durable)
+               ).num_ack_pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
         assert info.num_ack_pending == 0, "the ack did not reach the server"
     finally:
         await puller.close()
