@@ -38,17 +38,19 @@ from nats.js.errors import NotFoundError
 
 from bus.advisories import MaxDeliveries
 from bus.claims import CLAIM_HEADER, ClaimCheck
+from bus.credentials import Credentials, CredentialsError, inbox_prefix
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
 from bus.outage import api_errors, through_outage
+from bus.permissions import Denials
 from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
 from bus.retention import Retention
 from bus.routing import WORK_QUEUES, stream_kind_of
 from bus.streams import PlacementWait, ensure_consumer, ensure_streams, limit_key
-from bus.subjects import Subjects
-from bus.urls import BadServerURL, server_urls
+from bus.subjects import STREAM_KINDS, Subjects
+from bus.urls import BadServerURL, redact_url, server_urls, url_has_userinfo, url_user
 from observability.logging import get_logger
 
 T = TypeVar("T")
@@ -68,19 +70,34 @@ _DELIVER = {
 
 class _Events:
     """nats-py's callbacks for one connection: quiet about our own close, and one log line per
-    100 failed reconnect attempts (they come four a second while the server is away)."""
+    100 failed reconnect attempts (they come four a second while the server is away).
+
+    Two server refusals are made loud, because nats-py only reports them to this callback and the
+    request that caused them then times out with no reason given: a refused login (``refused``,
+    which ``Connection.open`` waits on beside the connect) and a permission violation
+    (``denials``, which ``Connection.startup`` waits on beside the start-up declarations)."""
 
     def __init__(self, log: Any, url: str) -> None:
         self.log = log
-        self.url = url
+        self.url = redact_url(url)
         self.conn: Connection | None = None
         self.errors = 0  # since the last (re)connect
+        self.refused = asyncio.Event()
+        self.denials = Denials()
 
     def _ours(self) -> bool:
         return self.conn is not None and self.conn.closed
 
     async def on_error(self, exc: Exception) -> None:
         if self._ours():
+            return
+        # During the first connect nats-py reports a refused login as a plain Error with this text.
+        if isinstance(exc, nats.errors.AuthorizationError) or "authorization violation" in str(exc).lower():
+            self.refused.set()
+        denial = self.denials.note(exc)
+        if denial is not None:
+            self.log.error("nats_permission_denied", permission=denial.permission, subject=denial.subject,
+                           todo="grant it to this connection's user in the server's auth config (rlbus auth init)")
             return
         self.errors += 1
         if self.errors == 1 or self.errors % 100 == 0:
@@ -99,6 +116,22 @@ class _Events:
         # closes the client for good; every later call then raises BusClosed.
         if self.conn is not None and not self.conn._closing:
             self.log.error("nats_connection_closed", url=self.url, todo="the bus is closed for good; restart the service")
+
+
+async def _connect_outcome(nc: Any, connecting: asyncio.Future[Any], events: _Events,
+                           timeout: float) -> BaseException | None:
+    """None once ``connecting`` succeeded; else why not: the server refused the login (at once, not
+    after ``timeout``: nats-py would retry a refused login forever), the timeout, or the error."""
+    refused = asyncio.ensure_future(events.refused.wait())
+    try:
+        await asyncio.wait([connecting, refused], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused.cancel()
+    if events.refused.is_set() and not nc.is_connected:
+        return PermissionError("login refused")
+    if not connecting.done():
+        return TimeoutError()
+    return connecting.exception()
 
 
 class Connection:
@@ -144,51 +177,79 @@ class Connection:
         self.max_deliveries = MaxDeliveries(self)
         self._consumers_ok: set[ConsumerSpec] = set()
         self._last_errors: dict[tuple[str, int], str] = {}
+        self.denials = Denials()  # replaced by the one the connection's error callback feeds (``open``)
+        self.user: str | None = None  # the NATS user logged in as, for error messages (set by ``open``)
 
     # --- open / state / close ------------------------------------------------------------
     @classmethod
     async def open(cls, url: str, run: str, *, name: str, connect_timeout: float = 10.0,
-                   **options: Any) -> Connection:
-        """Connect (reconnecting forever after the first success) within ``connect_timeout``."""
+                   credentials: Credentials | None = None, **options: Any) -> Connection:
+        """Connect (reconnecting forever after the first success) within ``connect_timeout``, as
+        ``credentials`` (default: from the environment, ``Credentials.from_env``).  A login the
+        server refuses fails at once with the key to check, not after the timeout."""
         try:
             servers = server_urls(url or "")
         except BadServerURL as exc:
             raise BusError(str(exc)) from None
+        creds = credentials if credentials is not None else Credentials.from_env()
+        login = creds.connect_options()
+        user = creds.user or url_user(url)  # a user named in the URL gets its own inboxes too
+        if user and not (creds.creds_file or creds.nkey_seed_file):
+            login["inbox_prefix"] = inbox_prefix(user)
         events = _Events(get_logger(component="bus", bus=name, run=run), url)
         nc = nats.NATS()
         # Pings every 5 s, 3 unanswered = lost: a server that vanished without closing the socket
         # is noticed within ~20 s, inside a publish's deadline, so publishes wait it out as an outage.
-        try:
-            await asyncio.wait_for(nc.connect(
-                servers=servers, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
-                reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
-                connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
-                pending_size=64 * MiB, drain_timeout=10, error_cb=events.on_error,
-                disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
-                closed_cb=events.on_closed,
-            ), timeout=connect_timeout)
-        except (TimeoutError, OSError, nats.errors.Error) as exc:
+        connecting = asyncio.ensure_future(nc.connect(
+            servers=servers, name=name, allow_reconnect=True, max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # nats-py takes float seconds
+            connect_timeout=2, ping_interval=5, max_outstanding_pings=3,
+            pending_size=64 * MiB, drain_timeout=10, error_cb=events.on_error,
+            disconnected_cb=events.on_disconnect, reconnected_cb=events.on_reconnect,
+            closed_cb=events.on_closed, **login,
+        ))
+        failure = await _connect_outcome(nc, connecting, events, connect_timeout)
+        if failure is not None:
+            connecting.cancel()
             try:
                 await nc.close()
             except Exception:  # noqa: BLE001 - we are already reporting the real failure
                 pass
+            if events.refused.is_set():
+                raise CredentialsError(
+                    f"authorization violation: the NATS server at {redact_url(url)} refused the login of "
+                    f"{name!r} ({creds.what_to_check(url_has_userinfo(url))})")
+            if not isinstance(failure, (TimeoutError, OSError, nats.errors.Error)):
+                raise failure
             raise BusError(
-                f"cannot connect to NATS at {url} within {connect_timeout:.0f}s ({exc!r}); "
+                f"cannot connect to NATS at {redact_url(url)} within {connect_timeout:.0f}s ({failure!r}); "
                 "is the server running (`rlbus nats`) and the URL right?"
             ) from None
         conn = cls(nc, run, name=name, **options)
+        events.denials.known = (run, *(conn.subjects.stream(k) for k in STREAM_KINDS), conn.subjects.advisory_stream,
+                                conn.objects.stream, conn.subjects.object_bucket)
+        conn.denials = events.denials
+        conn.user = user
         events.conn = conn
         return conn
+
+    async def startup(self, op: Awaitable[T], what: str) -> T:
+        """``op`` (a declaration: streams, a durable, a watch, a last-message read — what a service
+        does as it starts), failing at once with ``PermissionDenied`` naming the subject if the
+        server refuses this user a permission meanwhile, instead of waiting out the request's
+        timeout and the outage deadline behind it."""
+        return await self.denials.guard(op, what, user=self.user)
 
     async def ensure_streams(self, *, deadline: float | None = None) -> None:
         """Declare the run's streams (idempotent), riding out a server that goes away meanwhile and
         a cluster that cannot answer yet, for ``deadline`` seconds of the server being reachable
         (``JetStreamBus.connect`` passes its ``connect_timeout``)."""
         placement = PlacementWait()
-        await self.through_outage(
+        what = f"declaring the streams of run {self.subjects.run!r}"
+        await self.startup(self.through_outage(
             lambda: ensure_streams(self.js_declare, self.subjects, retention=self.retention, log=self.log,
                                    placement=placement),
-            f"declaring the streams of run {self.subjects.run!r}", deadline=deadline)
+            what, deadline=deadline), what)
 
     async def through_outage(self, op: Callable[[], Awaitable[T]], what: str, *, deadline: float | None = None) -> T:
         """Run the idempotent request ``op`` until the server answers, bounded like a publish (or by
@@ -281,9 +342,10 @@ class Connection:
         stream = self.subjects.stream(spec.stream)
         if spec not in self._consumers_ok:  # by spec: a changed spec is declared (updated) again
             replicas = self.retention.replicas if self.retention is not None else None
-            await self.through_outage(
+            what = f"declaring the durable {spec.durable!r} of {stream}"
+            await self.startup(self.through_outage(
                 lambda: ensure_consumer(self.js_declare, self.subjects, spec, log=self.log, replicas=replicas),
-                f"declaring the durable {spec.durable!r} of {stream}")
+                what), what)
             self._consumers_ok.add(spec)
         self.max_deliveries.start()
         return stream
@@ -301,20 +363,20 @@ class Connection:
     async def subscribe_ordered(self, subject: str, *, stream: str, deliver: str,
                                 cb: Callable[[Msg], Awaitable[None]]) -> Any:
         """An ordered, ephemeral, ack-none push consumer of ``subject`` (for watches)."""
-        return await self.js.subscribe(
+        return await self.startup(self.js.subscribe(
             subject, stream=stream, ordered_consumer=True, deliver_policy=_DELIVER[deliver], cb=cb,
             pending_bytes_limit=512 * MiB,
-        )
+        ), f"watching {subject!r}")
 
     async def last_msg(self, stream: str, subject: str, *, wait: bool = False) -> tuple[bytes, dict[str, str]] | None:
         """The newest stored message on ``subject`` (resolved), or None.  ``wait``: ride out an
         outage (``through_outage``) instead of raising ``ServerUnavailable`` at once."""
-        what = f"the last message on {subject!r}"
+        what = f"reading the last message on {subject!r}"
 
         async def get() -> Any:
             try:
                 with api_errors(what):
-                    return await self.js.get_last_msg(stream, subject, direct=True)
+                    return await self.startup(self.js.get_last_msg(stream, subject, direct=True), what)
             except NotFoundError:
                 return None
 

@@ -84,6 +84,7 @@ class EmbeddedServer:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         max_pending: int = DEFAULT_MAX_PENDING,
         http_port: int | None = None,
+        include: str | os.PathLike[str] | None = None,
         ready_timeout: float = 15.0,
         stop_grace: float = 10.0,
         server_name: str | None = None,
@@ -102,6 +103,9 @@ class EmbeddedServer:
         self.max_payload = max_payload
         self.max_pending = max_pending
         self.http_port = http_port
+        # A config file of the operator's (e.g. the authorization block `rlbus auth init` writes),
+        # included as is: the server reads users and permissions there, not from our generated text.
+        self.include = Path(include).resolve() if include is not None else None
         self.ready_timeout = ready_timeout
         self.stop_grace = stop_grace
         self._proc: subprocess.Popen[bytes] | None = None
@@ -182,6 +186,9 @@ class EmbeddedServer:
                 f"  routes: {json.dumps(self.routes)}",
                 "}",
             ]
+        if self.include is not None:
+            # nats-server resolves an include against the including file's folder, even an absolute path.
+            lines.append(f"include {json.dumps(os.path.relpath(self.include, self.dir))}")
         return "\n".join(lines) + "\n"
 
     # --- lifecycle ---------------------------------------------------------------------

@@ -60,6 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("control", add_help=False,
                    help="send a decision to a running controller or generator: set-mix a=0.2 b=0.8 | pause|resume|drain INSTANCE")
 
+    auth = sub.add_parser("auth", help="NATS users of a run: one per role, least privilege")
+    auth_init = auth.add_subparsers(dest="auth_cmd", required=True).add_parser(
+        "init", help="write auth.conf (bcrypt hashes) and one 0600 password file per role; prints no secret")
+    auth_init.add_argument("--out", required=True, help="folder for auth.conf and the per-role secret files")
+    auth_init.add_argument("--config", default=None, help="run config TOML (its [run] names the subjects granted)")
+    auth_init.add_argument("--run", default=None, help="run name (overrides [run] run)")
+    auth_init.add_argument("--force", action="store_true", help="replace an existing auth.conf (new passwords)")
+
     init = sub.add_parser("init-model", help="build the small warm-started policy as a Hugging Face folder")
     init.add_argument("--out", default="models/tiny-addition")
     init.add_argument("--seed", type=int, default=0)
@@ -100,6 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.commands.status import status
 
         return status(args.run, args.nats_url, as_json=args.json, seconds=args.seconds, watch=args.watch)
+    if args.cmd == "auth":
+        from services.commands.auth import auth_init_cmd
+
+        return auth_init_cmd(args.out, args.config, run=args.run, force=args.force)
     if args.cmd == "init-model":
         from services.commands.init_model import init_model_cmd
 

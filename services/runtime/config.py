@@ -40,6 +40,10 @@ class Settings(BaseModel):
         for key in list(out):
             if any(w in key.lower() for w in _SECRET_WORDS) and out[key]:
                 out[key] = "***"
+            elif isinstance(out[key], str) and "://" in out[key] and "@" in out[key]:
+                from bus.urls import redact_url
+
+                out[key] = redact_url(out[key])  # a URL's user:password@
         return out
 
 
@@ -84,6 +88,17 @@ class RunSettings(Settings):
     run: str = Field("demo", description="Run name: the namespace rl.<run>.… of every subject and stream.")
     nats_url: str = Field("nats://127.0.0.1:4222", description=(
         "NATS server URL, or the members of a cluster separated by commas (rlbus up sets it to its embedded server)."))
+    nats_user: str = Field("", description=(
+        "NATS user this service logs in as (its role, e.g. generator; `rlbus auth init` makes one per role); "
+        "empty = no user/password login. Also sets the inbox prefix _INBOX.<user> the role is confined to."))
+    nats_password_file: str = Field("", description=(
+        "File whose first line is nats_user's password (`rlbus auth init` writes one, mode 0600); if empty the "
+        "password comes from the environment variable RLBUS_NATS_PASSWORD. Never put the password itself here."))
+    nats_creds_file: str = Field("", description="NATS .creds file (JWT + nkey seed) to log in with, instead of a user.")
+    nats_nkey_seed_file: str = Field("", description="File holding an nkey seed (SU...) to log in with, instead of a user.")
+    nats_tls_ca: str = Field("", description="CA bundle that signed the NATS server's certificate (turns TLS on).")
+    nats_tls_cert: str = Field("", description="Client certificate for mutual TLS (with nats_tls_key).")
+    nats_tls_key: str = Field("", description="Private key of nats_tls_cert.")
     model_name: str = Field("policy", description="Logical model name: the WEIGHTS subject token.")
     model_path: str = Field("models/tiny-addition", description="Hugging Face folder of the initial policy.")
     pools: list[str] = Field(default_factory=lambda: ["train"], description="Task pools that are trained on.")
@@ -108,6 +123,16 @@ class RunSettings(Settings):
         "TCP port of the service's Prometheus endpoint (path /metrics, all interfaces), 0 = none. One process "
         "serves one port: replicas on one host each need their own, e.g. RLBUS_RUN__METRICS_PORT in each "
         "systemd instance's environment file."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_clear_password(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "nats_password" in data:
+            raise ValueError(
+                "nats_password is not a key: a clear password does not belong in a config file (or its variable "
+                "RLBUS_RUN__NATS_PASSWORD); put it in a 0600 file named by nats_password_file, or in the environment "
+                "variable RLBUS_NATS_PASSWORD (`rlbus auth init` writes both forms)")
+        return data
 
     @model_validator(mode="after")
     def _scored_outlives_the_window(self) -> RunSettings:
@@ -150,7 +175,16 @@ class RunSettings(Settings):
             dead_max_bytes=r.dead_max_mib * MiB, objects_max_bytes=r.objects_max_mib * MiB,
             replicas=self.replicas,
         )
-        return {"retention": retention, "publish_outage": self.publish_outage_s}
+        return {"retention": retention, "publish_outage": self.publish_outage_s, "credentials": self.credentials()}
+
+    def credentials(self) -> Any:
+        """The login of this run's services (``bus.credentials.Credentials``); reads the password file."""
+        from bus.credentials import Credentials
+
+        return Credentials.build(
+            user=self.nats_user, password_file=self.nats_password_file, creds_file=self.nats_creds_file,
+            nkey_seed_file=self.nats_nkey_seed_file, tls_ca=self.nats_tls_ca, tls_cert=self.nats_tls_cert,
+            tls_key=self.nats_tls_key)
 
     @property
     def admission_window_groups(self) -> int:

@@ -33,8 +33,10 @@ from services.up.settings import UpSettings
 
 # Settings classes and the nested tables inside them ([trainer.objective] …).
 FROZEN_KEYS: dict[type, list[str]] = {
-    RunSettings: ["run", "nats_url", "model_name", "model_path", "pools", "eval_pool", "group_size", "batch_groups",
-                  "max_staleness", "run_dir", "retention", "replicas", "publish_outage_s", "metrics_port"],
+    RunSettings: ["run", "nats_url", "nats_user", "nats_password_file", "nats_creds_file", "nats_nkey_seed_file",
+                  "nats_tls_ca", "nats_tls_cert", "nats_tls_key", "model_name", "model_path", "pools", "eval_pool",
+                  "group_size", "batch_groups", "max_staleness", "run_dir", "retention", "replicas", "publish_outage_s",
+                  "metrics_port"],
     RetentionSettings: ["queue_max_msgs", "queue_max_mib", "scored_keep_steps", "scored_max_mib", "control_per_subject",
                         "dead_max_msgs", "dead_max_mib", "objects_max_mib"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "min_batch_groups", "batch_wait_s", "threads", "dtype", "deterministic",
