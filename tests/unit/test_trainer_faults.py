@@ -34,12 +34,13 @@ from services.trainer.errors import TrainerError
 from services.trainer.intake import consumer_spec
 from services.trainer.ledger import Ledger
 from services.trainer.versions import Lineage
-from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir is a fixture
+from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir, mark_the_clean_end are fixtures
     RecordingBus,
     Trainer,
     assert_every_ack_covered,
     checkpoint_state,
     configs,
+    mark_the_clean_end,
     model_dir,
     trainable,
     until,
@@ -322,7 +323,7 @@ def test_bytes_written_per_checkpoint_stay_bounded_as_the_ledger_grows(tmp_path:
     assert len(list((root / "ledger").iterdir())) <= 4
 
 
-def test_ledger_only_saves_compact_too_and_never_touch_an_older_checkpoints_ledger(
+def test_ledger_only_saves_compact_too_and_give_the_fallback_the_drops_but_never_later_trained_groups(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from services.trainer import ledger
 
@@ -349,7 +350,15 @@ def test_ledger_only_saves_compact_too_and_never_touch_an_older_checkpoints_ledg
     restored_model, restored_opt = _model(0.0)
     shutil.rmtree(checkpoint.checkpoints(root)[0].folder)  # the step-2 checkpoint lost: step 1's ledger is whole
     older = checkpoint.load_latest(root, restored_model, restored_opt)
-    assert older is not None and dict(older.consumed) == {"t0": "train"}
+    # The drops (acked once both checkpoints had them) fit step 1's model too; t1 and t2 do not.
+    drops = {gid: "filtered" for gid in expected if gid.startswith("f")}
+    assert older is not None and dict(older.consumed) == {"t0": "train", **drops}
+    # They are not on the restored ledger's journal: the next save writes them.
+    older.step = older.version = 2
+    checkpoint.save(root, restored_model, restored_opt, older, keep=2)
+    shutil.rmtree(previous.folder)
+    again = checkpoint.peek_latest(root)
+    assert again is not None and dict(again.consumed) == {"t0": "train", **drops}
 
 
 def test_a_checkpoint_of_the_format_before_ledger_files_resumes_and_is_carried_over(tmp_path: Path) -> None:
