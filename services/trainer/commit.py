@@ -125,6 +125,15 @@ class Committer:
         """Deliveries held un-settled (heartbeated by the bus until settled)."""
         return len(self.unacked) + len(self.covered)
 
+    def held_checkpointed(self, also: list[GroupDecision]) -> int:
+        """Distinct groups held un-acked (here, or in ``also``: what the Assembler holds) that the
+        newest checkpoint on disk already records: counted both in its ledger and in the durable's
+        ack-pending, so whoever accounts for every group (tests, operators) subtracts them."""
+        ids = {d.group.task.task_id for d in self.covered}
+        ids.update(gid for d in (*self.unacked, *also)
+                   if (gid := d.group.task.task_id) in self.state.consumed and gid not in self._ahead)
+        return len(ids)
+
     def _record(self, entries: dict[str, str]) -> None:
         for gid, outcome in entries.items():
             if gid not in self.state.consumed:
