@@ -77,6 +77,7 @@ class Committer:
         # Ids the ledger gained since the newest checkpoint: the one before it lacks them too once
         # the next checkpoint is saved.
         self._ahead: set[str] = set()
+        self._final_damaged = False  # the newest checkpoint read back damaged at a clean end
 
     @property
     def step(self) -> int:
@@ -151,6 +152,7 @@ class Committer:
         self.state.counters = self._counters.record()
         await asyncio.to_thread(checkpoint.save, self._dir, self._model, self._optimizer, self.state, keep=self._keep)
         spent = time.perf_counter() - t0
+        self._final_damaged = False
         only_newest, self._ahead = self._ahead, set()  # in the checkpoint just saved, not in its fallback
         now, self.covered = self.covered, []
         waiting = []
@@ -202,13 +204,14 @@ class Committer:
         if self._ahead:
             await self.commit()
         ready = [d for d in self.unacked if d.group.task.task_id in self.state.consumed]
-        if not self.covered and not ready:
+        if self._final_damaged or (not self.covered and not ready):
             return  # nothing to settle (duplicates whose original waits in a batch stay held)
         try:
             folder = await asyncio.to_thread(checkpoint.verify_newest, self._dir)
         except checkpoint.DAMAGED as exc:
             log.error("final_checkpoint_unreadable", error=repr(exc), held=self.held,
                       action="not acking what it covers: a restart falls back to the checkpoint before it")
+            self._final_damaged = True  # its bytes will not heal: not read again every time
             return
         now, self.covered = [*self.covered, *ready], []
         self.unacked = [d for d in self.unacked if d.group.task.task_id not in self.state.consumed]

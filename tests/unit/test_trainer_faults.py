@@ -273,6 +273,40 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_its_own
     assert again is not None and again.step == 3 and dict(again.consumed) == {"a": "train", "c": "train"}
 
 
+def test_drops_given_to_the_fallback_survive_a_torn_append_and_a_damaged_line_sets_it_aside(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    model, opt = _model(1.0)
+    state = checkpoint.TrainerState(step=1, version=1, consumed=Ledger({"t0": "train"}))
+    checkpoint.save(root, model, opt, state, keep=2)
+    state.step = state.version = 2
+    state.consumed["t1"] = "train"
+    checkpoint.save(root, model, opt, state, keep=2)
+    for gid in ("f0", "f1"):
+        state.consumed.setdefault(gid, "filtered")
+        assert checkpoint.save_ledger(root, model, opt, state, keep=2, dropped={gid: "filtered"})  # both have it
+    newest, fallback = (f.folder for f in checkpoints_of(root))
+    side = fallback / checkpoint.DROPPED
+    with open(side, "ab") as fh:
+        fh.write(b"0123 {\"f2\": \"filt")  # a crash mid-append: never acked, so never needed
+    assert checkpoint.verify_newest(root) == newest
+    shutil.rmtree(newest)  # lost: the fallback has the drops acked since it was the newest
+    restored = checkpoint.load_latest(root, *_model(0.0))
+    assert restored is not None and dict(restored.consumed) == {"t0": "train", "f0": "filtered", "f1": "filtered"}
+
+    lines = side.read_bytes().split(b"\n")
+    side.write_bytes(lines[0].replace(b"f0", b"g0") + b"\n" + b"\n".join(lines[1:]))  # a whole line damaged
+    with pytest.raises(checkpoint.DAMAGED):
+        checkpoint.verify_newest(root)
+    with pytest.raises(TrainerError, match="every checkpoint .* is damaged"):
+        checkpoint.load_latest(root, *_model(0.0))
+
+
+def checkpoints_of(root: Path) -> list[checkpoint.Found]:
+    found = checkpoint.checkpoints(root)
+    assert len(found) == 2
+    return found
+
+
 def test_every_checkpoint_damaged_is_an_error_that_says_what_to_do(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     for step in (1, 2):
