@@ -11,8 +11,12 @@ every file matches its digest, and sets aside (``.corrupt``) one that does not.
 
 The ledger of consumed group ids is not written whole into each checkpoint: each checkpoint
 refers to an append-only ledger beside it (ledger.py), so a checkpoint writes only the entries
-added since the previous one.  The trainer acks the messages a step used only after ``save``
-returns, so a restarted trainer resumes here and recognises redelivered groups as consumed.
+added since the previous one.  The trainer acks the messages a checkpoint covers only once the
+checkpoint after it is saved too (commit.py), so whichever of the two newest a restart resumes
+from, it recognises every acked group as consumed.  Groups dropped while no batch fills trained
+nothing, so a ledger-only save (``save_ledger``) gives their entries to both: appended to the
+newest one's ledger, and to the one before it in a small side file (``dropped.log``) that
+loading merges into that checkpoint's ledger.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from services.trainer.ledger import CorruptLedger, Ledger, LedgerRef, LedgerStor
 log = get_logger()
 
 MODEL, OPTIMIZER, STATE, LEDGER, MANIFEST = "model.safetensors", "optimizer.pt", "state.json", "ledger.json", "manifest.json"
+DROPPED = "dropped.log"  # drops a ledger-only save gave this checkpoint after a newer one was written
 KEEP_AT_LEAST = 2  # the newest and the one before it: what a corrupt newest checkpoint falls back to
 LEGACY = -1  # the write order of a folder written before manifests existed (older than any other)
 
@@ -189,8 +194,44 @@ def _read_verified(folder: Path) -> dict[str, bytes]:
     return blobs
 
 
+def _append_dropped(folder: Path, entries: Mapping[str, str]) -> None:
+    """Give an older checkpoint the entries of groups dropped since (they fit any model); durable on return."""
+    path = folder / DROPPED
+    new = not path.exists()
+    with open(path, "ab") as fh:
+        fh.write(LedgerStore.line(entries))
+        fh.flush()
+        os.fsync(fh.fileno())
+    if new:
+        fsync_dir(folder)
+
+
+def _read_dropped(folder: Path) -> dict[str, str]:
+    """The entries ``_append_dropped`` gave ``folder``.  A last line without its newline is an
+    append a crash interrupted (its groups were never acked): ignored.  A whole line that does not
+    match its digest is damage."""
+    path = folder / DROPPED
+    if not path.exists():
+        return {}
+    lines = path.read_bytes().split(b"\n")[:-1]  # the last piece is empty, or a torn append
+    entries: dict[str, str] = {}
+    for n, raw in enumerate(lines):
+        digest, _, body = raw.partition(b" ")
+        if hashlib.sha256(body).hexdigest() != digest.decode(errors="replace"):
+            raise CorruptLedger(f"{path} line {n + 1} does not match its digest (damaged on disk)")
+        entries.update(json.loads(body))
+    return entries
+
+
 def _read(root: Path, found: Found, *, with_model: bool) -> tuple[TrainerState, dict[str, torch.Tensor], object]:
     """State, model tensors and optimiser state of one checkpoint; raises one of ``DAMAGED``."""
+    state, tensors, optimizer_state = _read_files(root, found, with_model=with_model)
+    for gid, reason in _read_dropped(found.folder).items():
+        state.consumed.setdefault(gid, reason)  # unsaved: the next save must write them
+    return state, tensors, optimizer_state
+
+
+def _read_files(root: Path, found: Found, *, with_model: bool) -> tuple[TrainerState, dict[str, torch.Tensor], object]:
     folder = found.folder
     if found.seq == LEGACY:  # written before manifests: the whole ledger is in state.json
         raw = json.loads((folder / STATE).read_text())
@@ -242,15 +283,49 @@ def load_latest(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     return None
 
 
-def peek_newest(root: Path) -> tuple[Path, TrainerState] | None:
-    """The newest undamaged checkpoint's folder and its step, version, counters and ledger, read
-    without a model (tools, tests; safe beside a live trainer, whose writes are all atomic)."""
+def peek_kept(root: Path) -> list[tuple[Path, TrainerState]]:
+    """Every undamaged checkpoint's folder and its step, version, counters and ledger, newest
+    first, read without a model (tools, tests; safe beside a live trainer, whose writes are all atomic)."""
+    kept = []
     for found in checkpoints(root):
         try:
-            return found.folder, _read(root, found, with_model=False)[0]
+            kept.append((found.folder, _read(root, found, with_model=False)[0]))
         except DAMAGED:  # damaged, or deleted by the trainer's retention while being read
             continue
-    return None
+    return kept
+
+
+def peek_newest(root: Path) -> tuple[Path, TrainerState] | None:
+    """The newest undamaged checkpoint's folder and its state (``peek_kept``)."""
+    kept = peek_kept(root)
+    return kept[0] if kept else None
+
+
+def verify_newest(root: Path) -> Path:
+    """Read the newest checkpoint back from the disk and check every byte of it (files and
+    ledger) against its digests; raises one of ``DAMAGED`` when it does not match.  Its pages are
+    dropped from the page cache first where the OS allows, so the check reads what the disk holds,
+    not the copy just written from memory."""
+    found = checkpoints(root)
+    if not found:
+        raise CorruptCheckpoint(f"no checkpoint in {root} to verify")
+    for path in [*found[0].folder.iterdir(), *(root / "ledger").glob("*")]:
+        _drop_cached(path)
+    _read(root, found[0], with_model=False)
+    return found[0].folder
+
+
+def _drop_cached(path: Path) -> None:
+    if not hasattr(os, "posix_fadvise") or not path.is_file():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # the read that follows reports it
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def peek_latest(root: Path) -> TrainerState | None:
@@ -259,25 +334,29 @@ def peek_latest(root: Path) -> TrainerState | None:
 
 
 def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                *, keep: int, dropped: Mapping[str, str]) -> None:
+                *, keep: int, dropped: Mapping[str, str]) -> bool:
     """Make the ledger entries of dropped groups durable without a new step (groups dropped while
-    no batch fills): add them to the newest checkpoint's ledger and change nothing else there.
-    Dropped groups trained nothing, so they fit that checkpoint's model whatever steps ran since;
-    writing the trainer's current ledger instead would record groups of those steps as trained
-    beside a model without their update.  With no checkpoint yet, write a full one of ``state``."""
+    no batch fills): add them to the newest checkpoint's ledger and to the one before it
+    (``dropped.log``), and change nothing else there.  Dropped groups trained nothing, so they fit
+    those checkpoints' models whatever steps ran since; writing the trainer's current ledger instead
+    would record groups of those steps as trained beside a model without their update.  With no
+    checkpoint yet, write a full one of ``state``.  True when two checkpoints now record the entries
+    (the newest, and the one a damaged newest falls back to): only then may their groups be acked."""
     found = checkpoints(root)
     if not found:
         save(root, model, optimizer, state, keep=keep)
-        return
+        return False
     if not dropped:
-        return
+        return len(found) >= KEEP_AT_LEAST
+    if len(found) >= KEEP_AT_LEAST:
+        _append_dropped(found[1].folder, dropped)
     newest = found[0]
     if newest.seq == LEGACY:  # the format before ledger files: the whole ledger is in its state.json
         record = json.loads((newest.folder / STATE).read_text())
         for gid, reason in dropped.items():
             record["consumed"].setdefault(gid, reason)
         replace_file(newest.folder / STATE, _json(record))
-        return
+        return len(found) >= KEEP_AT_LEAST
     store = LedgerStore(root / "ledger")
     ref = _ledger_ref(newest.folder)
     line = store.line(dropped)
@@ -292,3 +371,4 @@ def save_ledger(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optim
     if state.consumed.origin == ref:
         state.consumed.saved(new_ref, dropped)
     _retain(root, keep)
+    return len(found) >= KEEP_AT_LEAST

@@ -2,7 +2,7 @@
 
 Every group pulled is offered to the ``Assembler`` (batch.py), which keeps it for a batch or drops
 it with a reason (a group that can never be trained on, judge.py, is refused: dropped as invalid
-and dead-lettered once its ledger entry is durable); the deliveries stay held (strongly, in the
+and dead-lettered once its ledger entry is durable in two checkpoints, commit.py); the deliveries stay held (strongly, in the
 Assembler's lists and then the Committer's) until the Committer settles them, which is what keeps
 the bus heartbeating them.
 While a step runs, intake goes on pulling for the next batch, so decoding and judging groups
@@ -34,8 +34,9 @@ def consumer_spec(run_cfg: RunSettings, cfg: TrainerSettings, subjects: Subjects
     """The durable ``trainer`` consumer of every trained pool's scored groups."""
     pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
     window = run_cfg.admission_window_groups
-    # Held un-acked: up to checkpoint_every batches plus what waits for the next batch.
-    held_steps = cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2
+    # Held un-acked: up to two checkpoints' worth of batches (acks lag one checkpoint, commit.py)
+    # plus what waits for the next batch.
+    held_steps = 2 * cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2
     max_ack_pending = held_steps * run_cfg.batch_groups + 512
     # SCORED drops its oldest groups at its limit (bus.retention): only groups acked long ago may
     # go, so it keeps at least twice what the trainer holds plus what is admitted but not pulled.
@@ -45,7 +46,8 @@ def consumer_spec(run_cfg: RunSettings, cfg: TrainerSettings, subjects: Subjects
         raise ConfigError(
             f"[run.retention] scored_keep_steps = {run_cfg.retention.scored_keep_steps} is too small for "
             f"[trainer] checkpoint_every = {cfg.checkpoint_every} and max_staleness = {run_cfg.max_staleness}: "
-            f"SCORED could drop groups the trainer has not acked yet; raise it to at least {need} "
+            f"SCORED could drop groups the trainer has not acked yet (it acks a group once two checkpoints "
+            f"cover it); raise it to at least {need} "
             "(or checkpoint more often)")
     return ConsumerSpec(stream="SCORED", durable=subjects.durable("trainer"),
                         filter_subjects=tuple(subjects.scored(p) for p in pools), ack_wait=cfg.ack_wait, max_deliver=10,

@@ -1,7 +1,7 @@
 """trainer service — GRPO steps on scored groups, within the staleness bound, crash-safe.
 
-consumes:  rl.<run>.scored.<pool>   (ScoredGroup)  durable 'trainer', explicit ack after the
-                                                   checkpoint covering the step that used it
+consumes:  rl.<run>.scored.<pool>   (ScoredGroup)  durable 'trainer', explicit ack once two
+                                                   checkpoints cover the step that used it
 produces:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  msg id 'upload.<model>.v<N>'
            rl.<run>.metrics.trainer.<instance>  (Heartbeat) per step: loss, mismatch, staleness, idle,
                                                    group outcomes per pool and per generator
@@ -20,15 +20,17 @@ A scored group passes through, in order:
   Uploader (upload.py)      snapshots the new version's weights, uploads them in the background,
                             one at a time, in version order
   Committer (commit.py)     records the group in the ledger; every ``checkpoint_every`` steps
-                            checkpoints (fsync) and then acks what the checkpoint covers
+                            checkpoints (fsync) and then acks what the checkpoint before it
+                            covers (acks lag one checkpoint: a damaged newest one loses nothing)
   Telemetry (telemetry.py)  heartbeats the counters (counters.py) and the step's metrics
-A crash redelivers what was not checkpointed; the checkpoint's ledger turns redeliveries of
-committed groups into acks, so no group is trained twice in the surviving model.  Versions are a
-monotonic identity of weights: a resumed trainer continues after the highest version any trainer
+A crash redelivers what was not acked; the ledger of the checkpoint resumed from (the newest, or
+the one before it if the newest is damaged) turns redeliveries of committed groups into acks, so
+no group is trained twice in the surviving model.  Versions are a monotonic identity of weights: a resumed trainer continues after the highest version any trainer
 of the run handed out or published (versions.py), so a number never names two different
 sets of weights, and its restored model's version is recorded as a fork of the checkpoint's, so
 samples of the versions lost with the crash are not taken for fresh ones.  A graceful stop
-commits what was trained and naks what waited for a batch.
+commits what was trained, verifies that checkpoint on disk before acking what it covers, and
+naks what waited for a batch.
 Under torchrun (``[trainer] distributed``) this is rank 0; the other ranks only follow its
 steps and state gathers (distributed.py).
 """
@@ -170,8 +172,7 @@ class TrainerLoop:
                 tg.create_task(self.telemetry.loop(self.life))
                 tg.create_task(self._loop())
             await self.uploader.finish()
-            if self.committer.unacked:
-                await self.committer.commit()
+            await self.committer.finish()
         finally:
             self.telemetry.close()
             await self.intake.release()
@@ -187,9 +188,9 @@ class TrainerLoop:
             await self._step()
 
     async def _hold_done(self) -> None:
-        """``max_steps`` reached: commit what was trained, then say "done" until stopped."""
-        if self.committer.unacked:
-            await self.committer.commit()
+        """``max_steps`` reached: commit what was trained (verified, then settled), then say
+        "done" until stopped."""
+        await self.committer.finish()
         self.telemetry.set_state("done")
         await self.life.sleep(1.0)
 

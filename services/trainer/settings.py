@@ -42,7 +42,7 @@ class TrainerSettings(Settings):
                     "(services/trainer/advantages.py).")
     micro_batch_seqs: int = Field(256, ge=1, description="Sequences per forward/backward (gradient accumulation).")
     # durability
-    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints; consumed groups are acked at each checkpoint.")
+    checkpoint_every: int = Field(10, ge=1, description="Steps between checkpoints; each acks the groups the checkpoint before it covers (acks lag one checkpoint, so a damaged newest one loses nothing): the trainer holds up to two intervals of groups un-acked.")
     checkpoint_keep: int = Field(2, ge=1, description="Checkpoints kept on disk (never fewer than 2: a damaged newest one falls back to the one before).")
     transport: Literal["objstore", "file"] = Field("objstore", description="Weight transport to weight-broadcast.")
     max_steps: int = Field(0, ge=0, description="Stop after this many optimiser steps (0 = until stopped).")

@@ -49,7 +49,8 @@ class Telemetry:
                   TrainerKeys.GROUPS_DROPPED_TOTAL: c.groups_dropped_total,
                   "trainer/rollouts_stale_total": c.rollouts_stale_total,
                   TrainerKeys.IDLE_FRACTION: c.idle_fraction, TrainerKeys.IDLE_S: c.idle_s_process,
-                  TrainerKeys.PENDING_GROUPS: len(asm.kept), "trainer/unacked_groups": len(committer.unacked)})
+                  TrainerKeys.PENDING_GROUPS: len(asm.kept), "trainer/unacked_groups": committer.held,
+                  "trainer/held_checkpointed_groups": committer.held_checkpointed(asm.dropped)})
         for reason, n in asm.counts.items():
             m[TrainerKeys.groups(reason)] = n
         m[TrainerKeys.groups(STALE_HELD)] = asm.outcomes.total(STALE_HELD)

@@ -217,9 +217,11 @@ async def settle(p: Pipeline, bus, n_total: int) -> dict:
     """Wait until every task is in the trainer's ledger, dead-lettered from the task or rollout
     stage, or held un-acked by the trainer; return what was counted.
 
-    The trainer writes its checkpoint and *then* acks what it covers, so one snapshot can catch a
-    group both in the ledger and still ack-pending: poll for a settled state.  A group really lost
-    or really counted twice never settles, and the assertion names the counts."""
+    The trainer acks a group only once the checkpoint after the one that records it is saved
+    (a damaged newest checkpoint must lose nothing), so the newest checkpoint's groups are both
+    in the ledger and still ack-pending: its heartbeat says how many, and they count once.  Its
+    heartbeat, the ledger and the stream are read at different moments: poll for a settled state.
+    A group really lost or really counted twice never settles, and the assertion names the counts."""
     s = p.subjects
     deadline = time.monotonic() + 600
     while True:
@@ -227,14 +229,18 @@ async def settle(p: Pipeline, bus, n_total: int) -> dict:
         streams = {x.name: x for x in await bus.streams()}
         trainer_c = next(c for c in streams[s.stream("SCORED")].consumers if c.name == s.durable("trainer"))
         dead = await dead_letters(bus, None, timeout=1.0)
+        trainer_hb = await wait_heartbeat(bus, lambda h: h.service == "trainer", timeout=STEP_TIMEOUT)
         dead_tasks = {dead_task_id(d) for d in dead if d.origin_subject in (s.tasks("train"), s.rollouts("train"))}
         seen = dict(ledger=len(state["consumed"]), dead=len(dead_tasks),
                     tasks=streams[s.stream("TASKS")].messages, rollouts=streams[s.stream("ROLLOUTS")].messages,
-                    scored_pending=trainer_c.pending, ack_pending=trainer_c.ack_pending)
+                    scored_pending=trainer_c.pending, ack_pending=trainer_c.ack_pending,
+                    held_in_ledger=int(trainer_hb.metrics.get("trainer/held_checkpointed_groups", -1)))
         # Drained: every task became a scored group the trainer took; what it still holds un-acked
-        # (a batch that has not filled, or a step its next checkpoint will cover) counts as held.
+        # (a batch that has not filled, or a step its next checkpoint will cover) counts as held,
+        # once: less what the ledger already has.
         drained = seen["tasks"] == seen["rollouts"] == seen["scored_pending"] == 0
-        if drained and seen["ledger"] + seen["dead"] + seen["ack_pending"] == n_total:
+        held = seen["ack_pending"] - seen["held_in_ledger"]
+        if drained and seen["held_in_ledger"] >= 0 and seen["ledger"] + seen["dead"] + held == n_total:
             assert not set(state["consumed"]) & dead_tasks, "a task both trained and dead-lettered"
             return seen
         if time.monotonic() > deadline:

@@ -36,7 +36,11 @@ def test_the_trainer_refuses_a_scored_stream_shorter_than_what_it_holds_unacked(
     from services.trainer.intake import consumer_spec
     from services.trainer.settings import TrainerSettings
 
-    run = RunSettings(pools=["math"], retention={"scored_keep_steps": 50})
+    # It holds up to two checkpoints' worth of groups (acks lag one checkpoint): with
+    # max_staleness 2 and checkpoint_every 10, 2 x (2 x 10 + 2 x 3 + 2 + 3) = 62 steps.
+    run = RunSettings(pools=["math"], retention={"scored_keep_steps": 62})
     consumer_spec(run, TrainerSettings(checkpoint_every=10), Subjects("r"))
+    with pytest.raises(ConfigError, match="scored_keep_steps .* too small .* checkpoint_every = 11"):
+        consumer_spec(run, TrainerSettings(checkpoint_every=11), Subjects("r"))
     with pytest.raises(ConfigError, match="scored_keep_steps .* too small .* checkpoint_every = 40"):
         consumer_spec(run, TrainerSettings(checkpoint_every=40), Subjects("r"))

@@ -34,12 +34,13 @@ from services.trainer.errors import TrainerError
 from services.trainer.intake import consumer_spec
 from services.trainer.ledger import Ledger
 from services.trainer.versions import Lineage
-from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir is a fixture
+from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir, mark_the_clean_end are fixtures
     RecordingBus,
     Trainer,
     assert_every_ack_covered,
     checkpoint_state,
     configs,
+    mark_the_clean_end,
     model_dir,
     trainable,
     until,
@@ -272,6 +273,40 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_its_own
     assert again is not None and again.step == 3 and dict(again.consumed) == {"a": "train", "c": "train"}
 
 
+def test_drops_given_to_the_fallback_survive_a_torn_append_and_a_damaged_line_sets_it_aside(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    model, opt = _model(1.0)
+    state = checkpoint.TrainerState(step=1, version=1, consumed=Ledger({"t0": "train"}))
+    checkpoint.save(root, model, opt, state, keep=2)
+    state.step = state.version = 2
+    state.consumed["t1"] = "train"
+    checkpoint.save(root, model, opt, state, keep=2)
+    for gid in ("f0", "f1"):
+        state.consumed.setdefault(gid, "filtered")
+        assert checkpoint.save_ledger(root, model, opt, state, keep=2, dropped={gid: "filtered"})  # both have it
+    newest, fallback = (f.folder for f in checkpoints_of(root))
+    side = fallback / checkpoint.DROPPED
+    with open(side, "ab") as fh:
+        fh.write(b"0123 {\"f2\": \"filt")  # a crash mid-append: never acked, so never needed
+    assert checkpoint.verify_newest(root) == newest
+    shutil.rmtree(newest)  # lost: the fallback has the drops acked since it was the newest
+    restored = checkpoint.load_latest(root, *_model(0.0))
+    assert restored is not None and dict(restored.consumed) == {"t0": "train", "f0": "filtered", "f1": "filtered"}
+
+    lines = side.read_bytes().split(b"\n")
+    side.write_bytes(lines[0].replace(b"f0", b"g0") + b"\n" + b"\n".join(lines[1:]))  # a whole line damaged
+    with pytest.raises(checkpoint.DAMAGED):
+        checkpoint.verify_newest(root)
+    with pytest.raises(TrainerError, match="every checkpoint .* is damaged"):
+        checkpoint.load_latest(root, *_model(0.0))
+
+
+def checkpoints_of(root: Path) -> list[checkpoint.Found]:
+    found = checkpoint.checkpoints(root)
+    assert len(found) == 2
+    return found
+
+
 def test_every_checkpoint_damaged_is_an_error_that_says_what_to_do(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     for step in (1, 2):
@@ -322,7 +357,7 @@ def test_bytes_written_per_checkpoint_stay_bounded_as_the_ledger_grows(tmp_path:
     assert len(list((root / "ledger").iterdir())) <= 4
 
 
-def test_ledger_only_saves_compact_too_and_never_touch_an_older_checkpoints_ledger(
+def test_ledger_only_saves_compact_too_and_give_the_fallback_the_drops_but_never_later_trained_groups(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from services.trainer import ledger
 
@@ -349,7 +384,15 @@ def test_ledger_only_saves_compact_too_and_never_touch_an_older_checkpoints_ledg
     restored_model, restored_opt = _model(0.0)
     shutil.rmtree(checkpoint.checkpoints(root)[0].folder)  # the step-2 checkpoint lost: step 1's ledger is whole
     older = checkpoint.load_latest(root, restored_model, restored_opt)
-    assert older is not None and dict(older.consumed) == {"t0": "train"}
+    # The drops (acked once both checkpoints had them) fit step 1's model too; t1 and t2 do not.
+    drops = {gid: "filtered" for gid in expected if gid.startswith("f")}
+    assert older is not None and dict(older.consumed) == {"t0": "train", **drops}
+    # They are not on the restored ledger's journal: the next save writes them.
+    older.step = older.version = 2
+    checkpoint.save(root, restored_model, restored_opt, older, keep=2)
+    shutil.rmtree(previous.folder)
+    again = checkpoint.peek_latest(root)
+    assert again is not None and dict(again.consumed) == {"t0": "train", **drops}
 
 
 def test_a_checkpoint_of_the_format_before_ledger_files_resumes_and_is_carried_over(tmp_path: Path) -> None:

@@ -27,13 +27,14 @@ import torch
 
 from schemas import ScoredGroup, spans_from_versions
 from schemas.metric_keys import TrainerKeys
-from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir is a fixture
+from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir, mark_the_clean_end are fixtures
     LOGP,
     RecordingBus,
     Trainer,
     assert_every_ack_covered,
     checkpoint_state,
     configs,
+    mark_the_clean_end,
     model_dir,
     trainable,
     uploads,

@@ -1,15 +1,16 @@
 """The trainer service on the in-memory bus: when a scored group is acked, and what a crash,
 a restart and a graceful stop do to it.
 
-What a user cares about: a group is acked only once a checkpoint on disk covers it (else a crash
-would lose it); a redelivered copy of a group never acks its original early and never enters the
+What a user cares about: a group is acked only once two checkpoints on disk cover it, the newest
+and the one a damaged newest falls back to (else a crash, or a damaged checkpoint, would lose it),
+or at a clean end once the final checkpoint is read back intact; a redelivered copy of a group never acks its original early and never enters the
 ledger as a "duplicate"; groups dropped while no batch fills are made durable and acked; a
 restarted trainer resumes from its checkpoint, acks the committed groups that come back without
 training them again, and publishes versions above every one published before; a graceful stop
 commits what was trained and gives the rest back.  The heartbeat reports group outcomes per pool
 and per generator for the controller's balance accounting.
 
-Every ack is checked when it happens, against the ledger of the newest checkpoint on disk.  The
+Every ack is checked when it happens, against the ledgers of the newest checkpoints on disk.  The
 policy is a tiny random Qwen2 built here (about a second), not the warm-started ``tiny_model``.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import dataclasses
 import math
 import threading
@@ -37,6 +39,7 @@ from schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
 from services.runtime.config import RunSettings
 from services.runtime.lifecycle import Lifecycle
 from services.trainer import checkpoint, service
+from services.trainer.commit import Committer
 from services.trainer.intake import consumer_spec
 from services.trainer.settings import TrainerSettings
 
@@ -91,6 +94,24 @@ def filtered(gid: str, **kw: Any) -> ScoredGroup:
 
 # ---- a bus that records every settle, with the ledger on disk at that moment ------------------
 
+# True while the trainer settles at its clean end (``Committer.finish``: graceful stop or max_steps),
+# where the verified newest checkpoint alone covers what it acks.
+IN_FINISH: contextvars.ContextVar[bool] = contextvars.ContextVar("in_finish", default=False)
+
+
+@pytest.fixture(autouse=True)
+def mark_the_clean_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = Committer.finish
+
+    async def finish(self: Committer) -> None:
+        token = IN_FINISH.set(True)  # the settles run in this task, so they see it
+        try:
+            await real(self)
+        finally:
+            IN_FINISH.reset(token)
+
+    monkeypatch.setattr(Committer, "finish", finish)
+
 
 @dataclass
 class Settled:
@@ -99,6 +120,8 @@ class Settled:
     delivery: int  # 1 = first delivery, 2 = first redelivery …
     on_disk: dict[str, str] | None  # the newest checkpoint's ledger when it happened
     on_disk_step: int | None
+    fallback: dict[str, str] | None = None  # the ledger of the checkpoint before it (what a damaged newest falls back to)
+    running: bool = True  # settled while the trainer ran, not at its clean end (``finish``)
 
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any] | None:
@@ -114,9 +137,11 @@ class _RecordingSettle:
         self.bus, self.inner, self.gid = bus, inner, gid
 
     def _record(self, how: str, d: Delivery[Any]) -> None:
-        state = checkpoint_state(self.bus.run_dir)
-        self.bus.settled.append(Settled(how, self.gid, d.deliveries, state["consumed"] if state else None,
-                                        state["step"] if state else None))
+        kept = [state for _, state in checkpoint.peek_kept(self.bus.run_dir / "checkpoints")]
+        newest, before = (kept + [None, None])[:2]
+        self.bus.settled.append(Settled(how, self.gid, d.deliveries, dict(newest.consumed) if newest else None,
+                                        newest.step if newest else None, dict(before.consumed) if before else None,
+                                        running=not IN_FINISH.get()))
 
     async def ack(self, d: Delivery[Any]) -> None:
         self._record("ack", d)
@@ -253,10 +278,15 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def assert_every_ack_covered(bus: RecordingBus) -> None:
-    """An ack only once the newest checkpoint on disk records the group, never as a duplicate."""
+    """An ack (or term) only once the newest checkpoint on disk records the group, never as a
+    duplicate; while the trainer runs, only once the checkpoint before it records it too (a
+    damaged newest checkpoint falls back to it: an acked group it lacks would be lost)."""
     for s in bus.settled:
-        if s.how == "ack":
-            assert s.on_disk is not None and s.gid in s.on_disk, f"{s.gid} acked before a checkpoint covered it: {s}"
+        if s.how in ("ack", "term"):
+            assert s.on_disk is not None and s.gid in s.on_disk, f"{s.gid} settled before a checkpoint covered it: {s}"
+            if s.running:
+                assert s.fallback is not None and s.gid in s.fallback, (
+                    f"{s.gid} settled while only the newest checkpoint covered it: {s}")
         assert s.on_disk is None or "duplicate" not in s.on_disk.values(), s
 
 
@@ -279,8 +309,11 @@ async def test_groups_are_acked_only_once_a_checkpoint_covers_them(model_dir: Pa
         assert board[tag][-1] == (4, pytest.approx(hb.metrics[tag], rel=1e-6, abs=1e-12)), tag
     assert_every_ack_covered(bus)
     assert sorted(bus.acked()) == sorted(["f0", *(f"t{i}" for i in range(8))])  # each once
-    # Nothing is acked before the first checkpoint (step 2), though step 1 trained two groups.
-    assert {s.on_disk_step for s in bus.settled} == {2, 4}
+    # Nothing is acked before the second checkpoint (step 4), though step 2 was checkpointed: steps
+    # 1-2's groups once step 4's checkpoint exists, steps 3-4's at the clean end (max_steps), once
+    # step 4's checkpoint is read back intact.
+    assert {s.on_disk_step for s in bus.settled} == {4}
+    assert sorted(s.gid for s in bus.settled if s.running) == ["f0", "t0", "t1", "t2", "t3"]
     state = checkpoint_state(tmp_path)
     assert state is not None and state["step"] == 4
     assert state["consumed"] == {"f0": "filtered", **{f"t{i}": "train" for i in range(8)}}
@@ -320,24 +353,24 @@ async def test_a_redelivered_duplicate_waits_for_its_original_and_never_enters_t
 async def test_dropped_groups_are_made_durable_by_a_ledger_only_save_and_acked(model_dir: Path, tmp_path: Path) -> None:
     bus = RecordingBus(tmp_path)
     run_cfg, cfg = configs(model_dir, tmp_path, checkpoint_every=2)
-    await bus.publish_groups(*(trainable(f"t{i}") for i in range(6)))
+    await bus.publish_groups(*(trainable(f"t{i}") for i in range(10)))
     trainer = Trainer(bus, run_cfg, cfg)
-    await trainer.at_step(3)  # a checkpoint at step 2; step 3 (t4, t5) is not in one yet
+    await trainer.at_step(5)  # checkpoints at steps 2 and 4; step 5 (t8, t9) is not in one yet
     await bus.publish_groups(filtered("f0"), filtered("f1"))  # no batch fills: every reward equal
     await until("the dropped groups acked", lambda: {"f0", "f1"} <= set(bus.acked()))
     await trainer.stop()
 
-    assert_every_ack_covered(bus)
+    assert_every_ack_covered(bus)  # the step-2 checkpoint, which step 4's falls back to, has them too
     drops = [s for s in bus.settled if s.gid in ("f0", "f1")]
-    # Added to the step-2 checkpoint's ledger, which must not claim step 3's groups: its model
-    # does not have their update, so a crash would lose them.
-    assert all(s.on_disk_step == 2 for s in drops)
-    assert not {"t4", "t5"} & set(drops[0].on_disk or {})
-    assert drops[0].on_disk == {"t0": "train", "t1": "train", "t2": "train", "t3": "train",
-                                "f0": "filtered", "f1": "filtered"}
-    # The graceful stop then committed step 3.
+    # Added to the step-4 checkpoint's ledger, which must not claim step 5's groups: its model
+    # does not have their update, so a crash would lose them; and to step 2's, not claiming step 3-4's.
+    assert all(s.on_disk_step == 4 and s.running for s in drops)
+    assert drops[0].on_disk == {**{f"t{i}": "train" for i in range(8)}, "f0": "filtered", "f1": "filtered"}
+    assert drops[0].fallback == {**{f"t{i}": "train" for i in range(4)}, "f0": "filtered", "f1": "filtered"}
+    # The graceful stop then committed step 5.
     state = checkpoint_state(tmp_path)
-    assert state is not None and state["step"] == 3 and state["consumed"]["t5"] == "train"
+    assert state is not None and state["step"] == 5 and state["consumed"]["t9"] == "train"
+    assert state["consumed"]["f1"] == "filtered"
 
 
 async def test_a_restarted_trainer_resumes_and_does_not_train_committed_groups_again(
