@@ -26,8 +26,10 @@ from services.serve import parse_unit, resolve
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILES = ("compose.yaml", "compose.gpu.yaml")
-# Host paths the operator provides (gitignored): the model folders.
-PROVIDED_BY_USER = {ROOT / "models"}
+# Host paths the operator provides (gitignored): the model folders, and the credentials
+# `rlbus auth init --out deploy/auth` writes.
+AUTH = DEPLOY / "auth"
+PROVIDED_BY_USER = {ROOT / "models", AUTH / "auth.conf"}
 CONFIG_CHOICES = ("run.toml", "qwen-instruct-gpu.toml")  # what ${RLBUS_CONFIG} is documented to name
 
 
@@ -70,7 +72,10 @@ def host_mounts(service: dict[str, Any]) -> dict[str, Path]:
     """Container path -> host path of each bind mount (named volumes left out)."""
     out = {}
     for spec in service.get("volumes", []):
-        source, target = spec.split(":")[:2]
+        if isinstance(spec, dict):  # long syntax
+            source, target = (spec["source"], spec["target"]) if spec["type"] == "bind" else ("", "")
+        else:
+            source, target = spec.split(":")[:2]
         if source.startswith((".", "/")):
             out[target] = (DEPLOY / source).resolve()
     return out
@@ -147,7 +152,7 @@ def test_nats_nodes_run_the_cluster_config() -> None:
         assert "$NATS_NAME" in text and svc["environment"]["NATS_NAME"] == n
         routes = re.findall(r"nats://(nats-\d):6222", text)
         assert sorted(routes) == ["nats-1", "nats-2", "nats-3"], routes
-        assert any(v.endswith(":/data") for v in svc["volumes"]), f"{n}: JetStream store (/data) is not on a volume"
+        assert any(isinstance(v, str) and v.endswith(":/data") for v in svc["volumes"]), f"{n}: JetStream store (/data) is not on a volume"
 
 
 def _dockerignore_allows(rel: str) -> bool:
@@ -188,3 +193,66 @@ def test_every_containerfile_is_used() -> None:
     used = {s["build"]["dockerfile"] for f in COMPOSE_FILES for s in load_compose(f)["services"].values() if "build" in s}
     files = {f"deploy/{p.name}" for p in DEPLOY.glob("Containerfile*") if not p.name.endswith(".dockerignore")}
     assert files == used, f"built by no compose file: {files - used}; missing: {used - files}"
+
+
+def _included(conf: Path) -> list[Path]:
+    """The files a nats-server config includes, resolved as the server does: against its folder."""
+    return [conf.parent / m for m in re.findall(r'^\s*include\s+"?([^"\s]+)"?\s*$', conf.read_text(), re.M)]
+
+
+def test_every_rlbus_service_reads_its_roles_credentials() -> None:
+    """Each service loads the env file `rlbus auth init --out deploy/auth` writes for its role,
+    and nothing in its own environment overrides the identity that file gives."""
+    for files in (("compose.yaml",), COMPOSE_FILES):
+        for name, svc in rlbus_services(load_compose(*files)).items():
+            role = resolve_unit(svc)[0]
+            assert svc.get("env_file") == [f"auth/{role}.env"], f"{name} ({role}): env_file {svc.get('env_file')}"
+            assert (DEPLOY / svc["env_file"][0]).resolve().parent == AUTH
+            clash = {k for k in svc.get("environment", {}) if "NATS_USER" in k or "NATS_PASSWORD" in k}
+            assert not clash, f"{name}: environment sets {clash}, which would override its role's env file"
+    # The folder is never committed nor sent to an image build.
+    assert "deploy/auth/" in (ROOT / ".gitignore").read_text().splitlines()
+    assert not _dockerignore_allows("deploy/auth") and not _dockerignore_allows("deploy")
+
+
+def test_nats_nodes_use_the_generated_users_and_fail_without_them() -> None:
+    services = load_compose("compose.yaml")["services"]
+    for n in ("nats-1", "nats-2", "nats-3"):
+        svc = services[n]
+        conf = svc["command"][svc["command"].index("-c") + 1]
+        mounts = host_mounts(svc)
+        conf_dir = next(t for t in mounts if conf.startswith(t + "/"))
+        host_conf = mounts[conf_dir] / conf[len(conf_dir) + 1:]
+        includes = _included(host_conf)
+        assert [p.name for p in includes] == ["auth.conf"], f"{n}: {host_conf.name} includes {includes}"
+        in_container = f"{conf_dir}/{includes[0].relative_to(host_conf.parent)}"
+        assert mounts.get(in_container) == AUTH / "auth.conf", (
+            f"{n}: {in_container} (what {host_conf.name} includes) is not the generated deploy/auth/auth.conf")
+        spec = next(v for v in svc["volumes"] if isinstance(v, dict) and v["target"] == in_container)
+        # Short syntax would make an empty folder when the file is missing, and the node would fail
+        # with a confusing parse error; this way compose itself refuses, naming the path.
+        assert spec["bind"]["create_host_path"] is False and spec["read_only"] is True, spec
+    # The file it is mounted over is the fail-closed placeholder, so a node started without the
+    # mount refuses every client instead of running open.
+    placeholder = (DEPLOY / "nats" / "auth.conf").read_text()
+    assert '"replace-me"' in placeholder and "authorization" in placeholder
+
+
+def test_generated_env_files_give_each_compose_service_its_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What `rlbus auth init` writes, loaded the way compose loads env_file, resolves to the role's
+    user for every service with its config (the grants name the config's run)."""
+    from bus.credentials import PASSWORD_ENV
+    from services.commands.auth import auth_init_cmd
+    from tests.deploy.units import read_env_file
+
+    compose = load_compose("compose.yaml", env={"RLBUS_CONFIG": "run.toml"})
+    assert auth_init_cmd(str(tmp_path / "auth"), str(DEPLOY / "configs" / "run.toml")) == 0
+    for name, svc in rlbus_services(compose).items():
+        for key in [k for k in os.environ if k.startswith("RLBUS_")]:
+            monkeypatch.delenv(key)
+        env = {**read_env_file(tmp_path / svc["env_file"][0]), **svc.get("environment", {})}
+        for key, value in env.items():
+            monkeypatch.setenv(key, str(value))
+        entry, run_cfg, _ = resolve(svc["command"][1], str(DEPLOY / "configs" / "run.toml"))
+        assert run_cfg.nats_user == entry.name and os.environ[PASSWORD_ENV], name
+        assert f'"{entry.name}"' in (tmp_path / "auth" / "auth.conf").read_text()
