@@ -99,6 +99,28 @@ def read_tasks(run_cfg: RunSettings, train: Path) -> list[Any]:
     return tasks
 
 
+def write_resolved_config(data: dict[str, Any], run_cfg: RunSettings, up_cfg: UpSettings, folder: Path,
+                          nats_url: str, heldout: Path, backend: str | None) -> Path:
+    """The config every child of ``rlbus up`` reads: the file's tables, with the embedded server,
+    the run folder and what ``[up]`` implies filled in; written to ``<folder>/config.toml``."""
+    run_table = {**run_cfg.model_dump(), "nats_url": nats_url, "run_dir": str(folder)}
+    tables: dict[str, dict[str, Any]] = {"run": run_table}
+    for section in SERVICES:
+        tables[section] = dict(data.get(section, {}))
+    tables["controller"].setdefault("eval_tasks", str(heldout) if up_cfg.eval_tasks else "")
+    tables["trainer"].setdefault("max_steps", up_cfg.max_steps)
+    tables["generator"].setdefault("backend", up_cfg.backend)
+    # Every service of `rlbus up` shares this run folder: weights go through it (memory-mapped)
+    # instead of being chunked through the object store and read back twice per version.
+    for section in ("trainer", "broadcast"):
+        tables[section].setdefault("transport", "file")
+    if backend:  # an explicit --backend wins over the config file's [generator] backend
+        tables["generator"]["backend"] = backend
+    resolved = folder / "config.toml"
+    resolved.write_text(dumps(tables) + dumps({"up": up_cfg.model_dump()}))
+    return resolved
+
+
 def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: str | None, view: bool) -> int:
     try:
         data = read_toml(config)
@@ -129,21 +151,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     server = EmbeddedServer(store_dir=folder / "nats", port=-1)
     server.start()
     children = Children(folder / "logs")
-    run_table = {**run_cfg.model_dump(), "nats_url": server.url, "run_dir": str(folder)}
-    tables: dict[str, dict[str, Any]] = {"run": run_table}
-    for section in SERVICES:
-        tables[section] = dict(data.get(section, {}))
-    tables["controller"].setdefault("eval_tasks", str(heldout) if up_cfg.eval_tasks else "")
-    tables["trainer"].setdefault("max_steps", up_cfg.max_steps)
-    tables["generator"].setdefault("backend", up_cfg.backend)
-    # Every service of `rlbus up` shares this run folder: weights go through it (memory-mapped)
-    # instead of being chunked through the object store and read back twice per version.
-    for section in ("trainer", "broadcast"):
-        tables[section].setdefault("transport", "file")
-    if backend:  # an explicit --backend wins over the config file's [generator] backend
-        tables["generator"]["backend"] = backend
-    resolved = folder / "config.toml"
-    resolved.write_text(dumps(tables) + dumps({"up": up_cfg.model_dump()}))
+    resolved = write_resolved_config(data, run_cfg, up_cfg, folder, server.url, heldout, backend)
     code = 0
     try:
         for name in SINGLETONS:
