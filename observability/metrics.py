@@ -185,6 +185,9 @@ MAPPED: tuple[Mapped, ...] = (
     _c("broadcast/refused", "broadcast_refused", "Weight uploads refused (failed verification)"),
     _c("broadcast/deleted", "broadcast_deleted", "Weight versions deleted"),
     _c("broadcast/verify_seconds", "broadcast_verify_seconds", "Seconds spent verifying uploads"),
+    _c("broadcast/claims_collected", "claims_collected", "Claim-checked payloads deleted: no held message referenced them"),
+    _g("broadcast/claims_kept", "claims_kept", "Claim-checked payloads in the object store at the last collection"),
+    _c("broadcast/claim_collection_failures", "claim_collection_failures", "Claim collections that failed (retried later)"),
 )
 
 # Of the heartbeat itself, not of its metrics.

@@ -12,7 +12,13 @@ import pytest
 
 from bus.claims import CLAIM_PREFIX, ClaimCollector, ClaimFloors
 from bus.jetstream import JetStreamBus
+from bus.protocol import ServerUnavailable
 from bus.retention import Retention
+from services.broadcast.service import Broadcaster, BroadcastService, ClaimSweeper
+from services.broadcast.settings import BroadcastSettings
+from services.runtime.config import RunSettings
+from services.runtime.lifecycle import Lifecycle
+from services.runtime.weights import ObjectStoreTransport
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import eventually
 
@@ -20,6 +26,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 THRESHOLD = 4096  # every payload below is claim-checked
 SCORED_CAP = 3
+# The collector's margin stands in for the publish deadline plus outage budget: it must exceed the
+# time from a claim's put to its message's store (milliseconds here, more on a loaded machine).
+MARGIN = 1.0
+AGE = 2.0  # how much older than the newer messages the old ones are made
 
 
 @pytest.fixture
@@ -63,15 +73,14 @@ async def test_claims_of_dropped_groups_are_collected_and_held_ones_resolve(smal
     old = [payload(f"old{i}") for i in range(SCORED_CAP)]
     for i, data in enumerate(old):
         await small.publish(s.scored("math"), data, msg_id=f"old-{i}")
-    await asyncio.sleep(1.2)
+    await asyncio.sleep(AGE)
     new = [payload(f"new{i}") for i in range(SCORED_CAP)]
     for i, data in enumerate(new):
         await small.publish(s.scored("math"), data, msg_id=f"new-{i}")  # drops old-0 .. old-2
     before = await claims(small)
     assert {f"claims/SCORED/old-{i}" for i in range(SCORED_CAP)} <= set(before)
 
-    # The margin stands in for the publish deadline plus outage: 0.6 s covers these publishes.
-    result = await small.collect_claims(margin=0.6)
+    result = await small.collect_claims(margin=MARGIN)
 
     after = await claims(small)
     assert result.collected == SCORED_CAP
@@ -83,7 +92,7 @@ async def test_claims_of_dropped_groups_are_collected_and_held_ones_resolve(smal
     assert await held(small, s.all_of("scored"), SCORED_CAP) == new
     assert await small.last(s.tasks("math")) == task
     # A second pass finds nothing more to do.
-    again = await small.collect_claims(margin=0.6)
+    again = await small.collect_claims(margin=MARGIN)
     assert (again.collected, again.kept) == (0, len(after))
 
 
@@ -91,7 +100,7 @@ async def test_a_claim_whose_message_is_still_being_published_is_kept(small: Jet
     s = small.subjects
     for i in range(SCORED_CAP):
         await small.publish(s.scored("math"), payload(f"old{i}"), msg_id=f"old-{i}")
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(AGE)
     # A publish that stored its claim and is waiting out the server (here: held back) before its message.
     go = asyncio.Event()
     publisher = small.connection.publisher
@@ -107,7 +116,7 @@ async def test_a_claim_whose_message_is_still_being_published_is_kept(small: Jet
     sending = asyncio.create_task(small.publish(s.scored("late"), late, msg_id="late"))
     try:
         await eventually(lambda: _has(small, "claims/SCORED/late"))
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.3)
         for i in range(SCORED_CAP):
             await small.publish(s.scored("math"), payload(f"new{i}"), msg_id=f"new-{i}")
         # Now the late claim is older than every message SCORED holds: only the margin keeps it.
@@ -115,7 +124,7 @@ async def test_a_claim_whose_message_is_still_being_published_is_kept(small: Jet
         floors = ClaimFloors(await collector.stream_times())
         entry = (await claims(small))["claims/SCORED/late"]
         assert ClaimCollector.unreachable(entry, floors, 0.0)
-        result = await small.collect_claims(margin=0.8)
+        result = await small.collect_claims(margin=MARGIN)
         assert result.collected == SCORED_CAP  # the old groups' claims went in the same pass
         assert "claims/SCORED/late" in await claims(small)
     finally:
@@ -134,9 +143,9 @@ async def test_leftover_claims_and_delete_markers_of_an_emptied_work_queue_go(sm
     await small.objects.put("claims/ROLLOUTS/leaked", payload("leaked"))
     await small.objects.put("claims/ROLLOUTS/released", payload("released"))
     await small.objects.delete("claims/ROLLOUTS/released")
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(AGE)
     await small.publish(s.metrics("test", "t0"), b"heartbeat", msg_id="hb-0")  # the server's clock moves on
-    result = await small.collect_claims(margin=0.5)
+    result = await small.collect_claims(margin=MARGIN)
     assert (result.collected, result.markers) == (1, 1)
     assert await small.objects.stored(CLAIM_PREFIX) == []  # no record left, not even a marker
 
@@ -155,10 +164,43 @@ async def test_an_old_name_without_its_stream_waits_for_every_stream(small: JetS
     await small.objects.put("claims/legacy-id", payload("legacy"))
     await small.publish(s.control("generator"), b"decision", msg_id="ctl-0")  # CONTROL keeps it for good
     await small.publish(s.scored("math"), payload("g0"), msg_id="g-0")
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(AGE)
     for i in range(1, SCORED_CAP + 1):
         await small.publish(s.scored("math"), payload(f"g{i}"), msg_id=f"g-{i}")  # drops g-0
-    result = await small.collect_claims(margin=0.5)
+    result = await small.collect_claims(margin=MARGIN)
     # SCORED dropped a group, but the name does not say which stream its message is on.
     assert "claims/legacy-id" in await claims(small)
     assert result.collected == 1  # g-0's claim, judged against SCORED alone
+
+
+async def test_weight_broadcast_collects_on_its_loop_and_counts_on_its_heartbeat(small: JetStreamBus) -> None:
+    s = small.subjects
+    for i in range(SCORED_CAP):
+        await small.publish(s.scored("math"), payload(f"old{i}"), msg_id=f"old-{i}")
+    await asyncio.sleep(AGE)
+    for i in range(SCORED_CAP):
+        await small.publish(s.scored("math"), payload(f"new{i}"), msg_id=f"new-{i}")
+    cfg = BroadcastSettings()
+    service = BroadcastService(RunSettings(run=s.run), cfg, bus=small, life=Lifecycle(grace=1.0),
+                               broadcaster=Broadcaster(ObjectStoreTransport(small), cfg),
+                               claims=ClaimSweeper(small, every=0.2, margin=MARGIN))
+    assert service.claims.loop in service.workers()
+    sweeping = asyncio.create_task(service.claims.loop())
+    try:
+        await eventually(lambda: service.beat.extra()["broadcast/claims_collected"] == SCORED_CAP)  # type: ignore[misc]
+    finally:
+        sweeping.cancel()
+    beat = service.beat.extra()  # type: ignore[misc]
+    assert beat["broadcast/claims_kept"] == SCORED_CAP and beat["broadcast/claim_collection_failures"] == 0
+
+
+class UnreachableBus:
+    async def collect_claims(self, *, margin: float | None = None) -> None:
+        raise ServerUnavailable("the server did not answer (test)")
+
+
+async def test_a_failed_collection_is_counted_and_does_not_stop_the_service() -> None:
+    sweeper = ClaimSweeper(UnreachableBus(), every=0.01)  # type: ignore[arg-type]
+    await sweeper.once()
+    await sweeper.once()
+    assert sweeper.metrics()["broadcast/claim_collection_failures"] == 2
