@@ -19,6 +19,10 @@ Two ways a claim goes:
   un-acked one.  The collector reads only the bucket's metadata records and each stream's
   first/last timestamps, all on the server's clock; it never reads a payload.
 
+The same pass removes chunks that no metadata record names and that were last written more than
+the margin ago: what a put (of a claim or a weight file) or a delete cut short by a kill leaves.
+A put in progress writes its chunks, then its record within seconds, so it is never one of them.
+
 Names written before claims carried their stream (``claims/<msg_id>``) are judged against the
 oldest message of every stream, so they are kept as long as anything that old is.
 """
@@ -162,7 +166,10 @@ class ClaimCollector:
         t0 = time.monotonic()
         floors = ClaimFloors(await self.stream_times())
         collected = markers = kept = 0
-        for entry in await self.objects.stored(CLAIM_PREFIX):
+        stored = await self.objects.stored()
+        for entry in stored:
+            if not entry.name.startswith(CLAIM_PREFIX):
+                continue
             if entry.deleted:
                 # A released claim's delete marker: nothing reads it, and one per message piles up.
                 await self.objects.forget(entry)
@@ -173,10 +180,30 @@ class ClaimCollector:
                 self.log.debug("claim_collected", claim=entry.name)
             else:
                 kept += 1
-        result = ClaimsCollected(collected=collected, markers=markers, kept=kept, seconds=time.monotonic() - t0)
-        self.log.info("claims_collected", collected=collected, markers=markers, kept=kept,
+        orphans = await self.collect_orphans(stored, floors, margin)
+        result = ClaimsCollected(collected=collected, markers=markers, orphans=orphans, kept=kept,
+                                 seconds=time.monotonic() - t0)
+        self.log.info("claims_collected", collected=collected, markers=markers, orphans=orphans, kept=kept,
                       seconds=round(result.seconds, 3), margin_s=margin)
         return result
+
+    async def collect_orphans(self, stored: list[StoredObject], floors: ClaimFloors, margin: float) -> int:
+        """Purge the chunks no record in ``stored`` names, last written over ``margin`` before the
+        streams were read.  Chunks listed after ``stored`` that belong to a put finishing meanwhile
+        are young, so they stay."""
+        if floors.seen is None:
+            return 0
+        named = {e.nuid for e in stored if not e.deleted}
+        orphans = 0
+        for nuid in await self.objects.chunk_sets():
+            if nuid in named:
+                continue
+            written = await self.objects.chunks_stored_at(nuid)
+            if written is not None and written < floors.seen - margin:
+                await self.objects.purge_chunks(nuid)
+                orphans += 1
+                self.log.info("orphaned_chunks_removed", nuid=nuid)
+        return orphans
 
     @staticmethod
     def unreachable(entry: StoredObject, floors: ClaimFloors, margin: float) -> bool:

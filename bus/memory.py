@@ -543,7 +543,7 @@ class MemoryBus:
     async def collect_claims(self, *, margin: float | None = None) -> ClaimsCollected:
         """Nothing to collect: this bus stores every payload in its message (no claim check)."""
         self._check_open()
-        return ClaimsCollected(collected=0, markers=0, kept=0, seconds=0.0)
+        return ClaimsCollected(collected=0, markers=0, orphans=0, kept=0, seconds=0.0)
 
     def _consumer_state(self, d: _Durable) -> ConsumerState:
         unsettled = [s.seq for s in self._candidates(d) if s.seq in d.deliveries]

@@ -166,6 +166,18 @@ class JetStreamObjectStore:
         check_object_name(entry.name)
         await self._retrying(lambda: self._forget(entry), f"object forget {entry.name!r}")
 
+    async def chunk_sets(self) -> list[str]:
+        """The nuid of every set of chunks the bucket holds, whether or not a record names it."""
+        return await self._retrying(self._chunk_sets, "chunk listing")
+
+    async def chunks_stored_at(self, nuid: str) -> float | None:
+        """Server time the newest chunk of ``nuid`` was stored; None if it has none."""
+        return await self._retrying(lambda: self._chunks_stored_at(nuid), f"chunk time of {nuid!r}")
+
+    async def purge_chunks(self, nuid: str) -> None:
+        """Remove a set of chunks that no record names (what a put or delete cut short left)."""
+        await self._retrying(lambda: self._purge_chunks(nuid), f"chunk purge of {nuid!r}")
+
     async def _ensure(self) -> None:
         if self._ready:
             return
@@ -375,6 +387,23 @@ class JetStreamObjectStore:
             await self._write_meta(info)
         finally:
             await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, nuid))
+
+    async def _chunk_sets(self) -> list[str]:
+        await self._ensure()
+        si = await self._js.stream_info(self.stream, subjects_filter=f"$O.{self.bucket}.C.>")
+        return [subject.rsplit(".", 1)[-1] for subject in (si.state.subjects or {})]
+
+    async def _chunks_stored_at(self, nuid: str) -> float | None:
+        await self._ensure()
+        try:
+            raw = await self._js.get_last_msg(self.stream, _chunk_subject(self.bucket, nuid), direct=True)
+        except NotFoundError:
+            return None
+        return raw.time.timestamp() if raw.time is not None else None
+
+    async def _purge_chunks(self, nuid: str) -> None:
+        await self._ensure()
+        await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, nuid))
 
     async def _forget(self, entry: StoredObject) -> None:
         await self._ensure()

@@ -160,6 +160,7 @@ class ClaimsCollected:
 
     collected: int  # claims deleted: no message still held can reference them
     markers: int  # delete markers of released claims removed
+    orphans: int  # sets of chunks no record names (a put or delete cut short) removed
     kept: int  # claims still reachable (or too young to judge)
     seconds: float
 

@@ -154,6 +154,7 @@ class ClaimSweeper:
         self.every = every
         self.margin = margin  # None: the bus's own (its publish deadline plus outage budget)
         self.collected = 0
+        self.orphans = 0
         self.kept = 0
         self.failures = 0
 
@@ -173,10 +174,12 @@ class ClaimSweeper:
                         todo=f"tried again in {self.every:.0f}s; until then claims only take space")
             return
         self.collected += result.collected
+        self.orphans += result.orphans
         self.kept = result.kept
 
     def metrics(self) -> dict[str, float]:
         return {"broadcast/claims_collected": self.collected, "broadcast/claims_kept": self.kept,
+                "broadcast/orphan_chunks_collected": self.orphans,
                 "broadcast/claim_collection_failures": self.failures}
 
 

@@ -204,3 +204,20 @@ async def test_a_failed_collection_is_counted_and_does_not_stop_the_service() ->
     await sweeper.once()
     await sweeper.once()
     assert sweeper.metrics()["broadcast/claim_collection_failures"] == 2
+
+
+async def test_chunks_a_cut_short_put_left_go_and_a_put_in_progress_keeps_its_own(small: JetStreamBus) -> None:
+    s, objects = small.subjects, small.objects
+    js = small.connection.js
+    await objects.put("weights/policy/v1/model.safetensors", b"w" * 3000)
+    # A put killed after its first chunks: chunks on a subject no metadata record names.
+    await js.publish(f"$O.{objects.bucket}.C.killedput", b"partial chunk")
+    await asyncio.sleep(AGE)
+    # A put still writing its chunks: as unnamed, but written just now.
+    await js.publish(f"$O.{objects.bucket}.C.inprogress", b"first chunk")
+    await small.publish(s.metrics("test", "t0"), b"heartbeat", msg_id="hb-0")
+    result = await small.collect_claims(margin=MARGIN)
+    assert result.orphans == 1
+    assert sorted(await objects.chunk_sets()) == sorted(
+        ["inprogress", *(e.nuid for e in await objects.stored())])
+    assert await objects.get("weights/policy/v1/model.safetensors") == b"w" * 3000
