@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from nats.js.errors import APIError
+
 from bus.outage import through_outage
 from bus.protocol import BusConfigError, BusError, ClaimsCollected, DigestMismatch, ObjectNotFound, ObjectStore
 from bus.routing import stream_kind_of
@@ -161,8 +163,15 @@ class ClaimCollector:
 
     async def collect(self, *, margin: float | None = None) -> ClaimsCollected:
         """One pass.  The streams are read *before* the claims: a message stored after that read
-        cannot move a floor, and its claim is then newer than the floor anyway."""
-        margin = self.margin if margin is None else margin
+        cannot move a floor, and its claim is then newer than the floor anyway.  Any refusal by
+        the server is a ``BusError``: a failed pass must not stop the service running it."""
+        try:
+            return await self._collect(self.margin if margin is None else margin)
+        except APIError as exc:
+            raise BusError(f"claim collection in bucket {self.objects.bucket!r} failed: {exc!r}; the next pass "
+                           "tries again (until then unreachable claims only take space)") from exc
+
+    async def _collect(self, margin: float) -> ClaimsCollected:
         t0 = time.monotonic()
         floors = ClaimFloors(await self.stream_times())
         collected = markers = kept = 0
