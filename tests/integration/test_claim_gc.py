@@ -137,16 +137,20 @@ async def _has(bus: JetStreamBus, name: str) -> bool:
     return name in await claims(bus)
 
 
-async def test_leftover_claims_and_delete_markers_of_an_emptied_work_queue_go(small: JetStreamBus) -> None:
+async def test_leftover_claims_markers_and_half_collected_ones_of_an_emptied_work_queue_go(small: JetStreamBus) -> None:
     s = small.subjects
     # A release that never happened (the service died between ack and delete) and one that did.
     await small.objects.put("claims/ROLLOUTS/leaked", payload("leaked"))
     await small.objects.put("claims/ROLLOUTS/released", payload("released"))
     await small.objects.delete("claims/ROLLOUTS/released")
+    # A collection cut short by a kill: the chunks went, the record stayed; the next pass finishes it.
+    await small.objects.put("claims/ROLLOUTS/cut", payload("cut"))
+    (cut,) = await small.objects.stored("claims/ROLLOUTS/cut")
+    await small.objects.purge_chunks(cut.nuid)
     await asyncio.sleep(AGE)
     await small.publish(s.metrics("test", "t0"), b"heartbeat", msg_id="hb-0")  # the server's clock moves on
     result = await small.collect_claims(margin=MARGIN)
-    assert (result.collected, result.markers) == (1, 1)
+    assert (result.collected, result.markers, result.orphans) == (2, 1, 0)
     assert await small.objects.stored(CLAIM_PREFIX) == []  # no record left, not even a marker
 
 
