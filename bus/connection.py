@@ -37,13 +37,13 @@ from nats.js import api
 from nats.js.errors import NotFoundError
 
 from bus.advisories import MaxDeliveries
-from bus.claims import CLAIM_HEADER, ClaimCheck
+from bus.claims import CLAIM_HEADER, CLOCK_SLACK_S, ClaimCheck, ClaimCollector
 from bus.credentials import Credentials, CredentialsError, inbox_prefix
 from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
 from bus.objects import JetStreamObjectStore
 from bus.outage import api_errors, through_outage
 from bus.permissions import Denials
-from bus.protocol import BusClosed, BusError, ConsumerSpec, StreamFull
+from bus.protocol import BusClosed, BusError, ClaimsCollected, ConsumerSpec, StreamFull
 from bus.publish import Publisher
 from bus.pull import PullInbox
 from bus.retention import Retention
@@ -168,6 +168,12 @@ class Connection:
             replicas=retention.replicas if retention is not None else None,
             full_error=self.full_error, deadline=publish_deadline, outage=publish_outage)
         self.claims = ClaimCheck(self.objects, spawn=self.spawn, log=self.log)
+        # Every service of a run publishes under the same [run] deadline and outage budget, so this
+        # connection's own bound how long after its claim any message of the run is stored.
+        self.claim_collector = ClaimCollector(
+            self.objects, nc=nc, api_prefix=self.api_prefix, subjects=self.subjects,
+            margin=publish_deadline + publish_outage + attempt_timeout + CLOCK_SLACK_S,
+            deadline=publish_deadline, outage=publish_outage, log=self.log)
         self.publisher = Publisher(self.js, self.claims, name=name, max_payload=self.max_payload,
                                    claim_threshold=self.claim_threshold, deadline=publish_deadline,
                                    attempt_timeout=attempt_timeout, outage=publish_outage,
@@ -334,6 +340,10 @@ class Connection:
 
     def release_claim(self, name: str) -> None:
         self.claims.release(name)
+
+    async def collect_claims(self, *, margin: float | None = None) -> ClaimsCollected:
+        self.check_open()
+        return await self.claim_collector.collect(margin=margin)
 
     # --- consumers -------------------------------------------------------------------------
     async def ensure_consumer(self, spec: ConsumerSpec) -> str:

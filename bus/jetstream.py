@@ -38,6 +38,7 @@ from bus.outage import api_errors
 from bus.protocol import (
     BusClosed,
     BusError,
+    ClaimsCollected,
     ConsumerSpec,
     ConsumerState,
     Delivery,
@@ -231,6 +232,9 @@ class JetStreamBus:
                 ),
             ))
         return out
+
+    async def collect_claims(self, *, margin: float | None = None) -> ClaimsCollected:
+        return await self.connection.collect_claims(margin=margin)
 
     # --- close -------------------------------------------------------------------------
     async def close(self) -> None:

@@ -60,6 +60,7 @@ from bus.protocol import (
     BusClosed,
     BusConfigError,
     BusError,
+    ClaimsCollected,
     ConsumerSpec,
     ConsumerState,
     Delivery,
@@ -538,6 +539,11 @@ class MemoryBus:
             out.append(StreamState(name=self.subjects.stream(kind), subjects=(self.subjects.all_of(kind.lower()),),
                                    messages=len(msgs), bytes=sum(len(s.data) for s in msgs), consumers=consumers))
         return out
+
+    async def collect_claims(self, *, margin: float | None = None) -> ClaimsCollected:
+        """Nothing to collect: this bus stores every payload in its message (no claim check)."""
+        self._check_open()
+        return ClaimsCollected(collected=0, markers=0, orphans=0, kept=0, seconds=0.0)
 
     def _consumer_state(self, d: _Durable) -> ConsumerState:
         unsettled = [s.seq for s in self._candidates(d) if s.seq in d.deliveries]

@@ -22,7 +22,7 @@ import hashlib
 import json
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -42,6 +42,24 @@ CHUNK_SIZE = MiB
 WINDOW_BYTES = 32 * MiB
 _DIGEST_PREFIX = "SHA-256="
 _STALL_S = 15.0
+# Metadata records per pull of a listing (a few hundred bytes each).
+_LIST_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object's newest metadata record, as the bucket stores it (``JetStreamObjectStore.stored``)."""
+
+    name: str
+    # Server time (epoch seconds) the record was stored: a put writes it after its last chunk,
+    # so it is when the object became readable (or, for a delete marker, when it was deleted).
+    stored_at: float
+    # The record's sequence in the bucket's stream: a later put or delete of the name has a higher one.
+    seq: int
+    nuid: str  # the token of its chunks' subject
+    deleted: bool
+
+
 def _meta_subject(bucket: str, name: str) -> str:
     return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
 
@@ -131,6 +149,34 @@ class JetStreamObjectStore:
 
     async def list(self) -> list[ObjectInfo]:
         return await self._retrying(self._list, "object list")
+
+    async def stored(self, prefix: str = "") -> list[StoredObject]:
+        """The newest metadata record of every name starting with ``prefix``, delete markers
+        included, read in one pass (no payload is read).  An object whose put has not finished
+        has no record yet, so it is not listed."""
+        return await self._retrying(lambda: self._stored(prefix), f"object listing {prefix!r}")
+
+    async def forget(self, entry: StoredObject) -> None:
+        """Remove the object as ``entry`` saw it: its chunks, then its metadata records up to
+        ``entry.seq``.  A put of the same name that landed since (a higher sequence, new chunks)
+        stays whole, so a name re-written while a collector decided about the old copy is not lost.
+        No delete marker is left behind (markers of short-lived names would pile up forever).
+        Chunks go first so that a forget cut short leaves the record, and the next one finishes
+        it, instead of leaving chunks no record names."""
+        check_object_name(entry.name)
+        await self._retrying(lambda: self._forget(entry), f"object forget {entry.name!r}")
+
+    async def chunk_sets(self) -> list[str]:
+        """The nuid of every set of chunks the bucket holds, whether or not a record names it."""
+        return await self._retrying(self._chunk_sets, "chunk listing")
+
+    async def chunks_stored_at(self, nuid: str) -> float | None:
+        """Server time the newest chunk of ``nuid`` was stored; None if it has none."""
+        return await self._retrying(lambda: self._chunks_stored_at(nuid), f"chunk time of {nuid!r}")
+
+    async def purge_chunks(self, nuid: str) -> None:
+        """Remove a set of chunks that no record names (what a put or delete cut short left)."""
+        await self._retrying(lambda: self._purge_chunks(nuid), f"chunk purge of {nuid!r}")
 
     async def _ensure(self) -> None:
         if self._ready:
@@ -341,6 +387,73 @@ class JetStreamObjectStore:
             await self._write_meta(info)
         finally:
             await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, nuid))
+
+    async def _chunk_sets(self) -> list[str]:
+        await self._ensure()
+        si = await self._js.stream_info(self.stream, subjects_filter=f"$O.{self.bucket}.C.>")
+        return [subject.rsplit(".", 1)[-1] for subject in (si.state.subjects or {})]
+
+    async def _chunks_stored_at(self, nuid: str) -> float | None:
+        await self._ensure()
+        try:
+            raw = await self._js.get_last_msg(self.stream, _chunk_subject(self.bucket, nuid), direct=True)
+        except NotFoundError:
+            return None
+        return raw.time.timestamp() if raw.time is not None else None
+
+    async def _purge_chunks(self, nuid: str) -> None:
+        await self._ensure()
+        await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, nuid))
+
+    async def _forget(self, entry: StoredObject) -> None:
+        await self._ensure()
+        if not entry.deleted and entry.nuid:
+            await self._js.purge_stream(self.stream, subject=_chunk_subject(self.bucket, entry.nuid))
+        await self._js.purge_stream(self.stream, subject=_meta_subject(self.bucket, entry.name), seq=entry.seq + 1)
+
+    async def _stored(self, prefix: str) -> list[StoredObject]:
+        """Every name's last metadata record through an ephemeral ack-none consumer (one request per
+        ``_LIST_BATCH`` records, not one per object); the record's stream timestamp is the server's."""
+        await self._ensure()
+        consumer = f"rlbus_list_{self._nc._nuid.next().decode()}"
+        created = await self._js.add_consumer(self.stream, api.ConsumerConfig(
+            name=consumer, ack_policy=api.AckPolicy.NONE, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            filter_subject=f"$O.{self.bucket}.M.>", mem_storage=True, inactive_threshold=60.0, num_replicas=1,
+        ))
+        out: list[StoredObject] = []
+        inbox = await PullInbox(self._nc, self._api_prefix, self.stream, consumer).start()
+        try:
+            pending = created.num_pending or 0
+            while pending > 0:
+                msgs = await inbox.fetch(_LIST_BATCH, _STALL_S, max_bytes=self.window_bytes)
+                if not msgs:
+                    raise ServerUnavailable(f"object listing of bucket {self.bucket!r} stalled: no metadata record "
+                                            f"for {_STALL_S:.0f}s with {pending} still to come")
+                for m in msgs:
+                    entry = self._entry_of(m)
+                    if entry is not None and entry.name.startswith(prefix):
+                        out.append(entry)
+                pending = msgs[-1].metadata.num_pending
+        finally:
+            await inbox.stop()
+            try:
+                await self._js.delete_consumer(self.stream, consumer)
+            except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
+                pass
+        return out
+
+    @staticmethod
+    def _entry_of(msg: Any) -> StoredObject | None:
+        """A metadata record as a ``StoredObject``; None for one that does not parse (not ours to judge)."""
+        try:
+            info = api.ObjectInfo.from_response(json.loads(msg.data))
+            meta = msg.metadata
+        except (ValueError, TypeError, KeyError):
+            return None
+        if not info.name:
+            return None
+        return StoredObject(name=info.name, stored_at=meta.timestamp.timestamp(), seq=meta.sequence.stream,
+                            nuid=info.nuid or "", deleted=bool(info.deleted))
 
     async def _list(self) -> list[ObjectInfo]:
         await self._ensure()

@@ -155,6 +155,17 @@ class ObjectStore(Protocol):
 
 
 @dataclass(frozen=True)
+class ClaimsCollected:
+    """One pass of the claim collector (``Bus.collect_claims``)."""
+
+    collected: int  # claims deleted: no message still held can reference them
+    markers: int  # delete markers of released claims removed
+    orphans: int  # sets of chunks no record names (a put or delete cut short) removed
+    kept: int  # claims still reachable (or too young to judge)
+    seconds: float
+
+
+@dataclass(frozen=True)
 class ConsumerState:
     name: str
     pending: int
@@ -237,6 +248,12 @@ class Bus(Protocol):
     def objects(self) -> ObjectStore: ...
 
     async def streams(self) -> list[StreamState]: ...
+
+    async def collect_claims(self, *, margin: float | None = None) -> ClaimsCollected:
+        """Delete the claim-checked payloads no message still held can reference (``bus.claims``).
+        ``margin`` (s): how long after its claim a message may still be stored; None: this bus's
+        publish deadline plus outage budget plus clock slack."""
+        ...
 
     async def close(self) -> None:
         """Drain and close; safe to call twice."""

@@ -98,7 +98,7 @@ class Publisher:
             clock = self.clock()
             if len(data) + header_bytes(hdrs) > self.claim_threshold:
                 await self.wait_for_server(clock, subject, hdrs)
-                data, hdrs = await self.claims.put(msg_id, data, hdrs)
+                data, hdrs = await self.claims.put(subject, msg_id, data, hdrs)
             await self._retry(subject, data, hdrs, clock)
 
     async def wait_for_server(self, clock: PublishClock, subject: str, hdrs: dict[str, str]) -> None:
@@ -175,7 +175,7 @@ class Publisher:
                 if len(data) + header_bytes(hdrs) > self.claim_threshold:
                     clock = self.clock()
                     await self.wait_for_server(clock, subject, hdrs)
-                    data, hdrs = await self.claims.put(msg_id, data, hdrs)
+                    data, hdrs = await self.claims.put(subject, msg_id, data, hdrs)
                     await self._retry(subject, data, hdrs, clock)
                     continue
                 if not self.connected():

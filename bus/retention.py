@@ -20,7 +20,9 @@ never loses data silently:
 | DEAD               | ``dead_max_msgs``, ``dead_max_bytes``   | discard *new*: the dead letter is refused, so the |
 |                    |                                         | bad message stays un-acked and comes back        |
 | object bucket      | ``objects_max_bytes``                   | discard new: a put fails with ``StreamFull``;    |
-|                    |                                         | weight-broadcast deletes versions past its keep  |
+|                    |                                         | weight-broadcast deletes versions past its keep, |
+|                    |                                         | and claims no held message can reference any     |
+|                    |                                         | more (``bus.claims``)                            |
 | WEIGHTS, METRICS   | last N per subject / max age (fixed)    | discard old (superseded versions, old heartbeats) |
 
 A limit of 0 means "no limit" (the server's own storage bound applies).  Byte limits are off by

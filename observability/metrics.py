@@ -185,6 +185,11 @@ MAPPED: tuple[Mapped, ...] = (
     _c("broadcast/refused", "broadcast_refused", "Weight uploads refused (failed verification)"),
     _c("broadcast/deleted", "broadcast_deleted", "Weight versions deleted"),
     _c("broadcast/verify_seconds", "broadcast_verify_seconds", "Seconds spent verifying uploads"),
+    _c("broadcast/claims_collected", "claims_collected", "Claim-checked payloads deleted: no held message referenced them"),
+    _c("broadcast/orphan_chunks_collected", "orphan_chunks_collected",
+       "Object chunks no record named (a put or delete cut short) deleted"),
+    _g("broadcast/claims_kept", "claims_kept", "Claim-checked payloads in the object store at the last collection"),
+    _c("broadcast/claim_collection_failures", "claim_collection_failures", "Claim collections that failed (retried later)"),
 )
 
 # Of the heartbeat itself, not of its metrics.

@@ -14,6 +14,9 @@ Only a transient error (the server unavailable) naks it for another try.  A rest
 undecodable newest manifest resumes from the newest readable one.  Versions beyond
 ``keep_versions`` are deleted once no generator heartbeat reports using them and no recent
 held-out round (``keep_eval_versions``) is pinned to them.
+Every ``CLAIM_COLLECT_EVERY_S`` it also deletes the claim-checked payloads no message still held
+can reference (``bus.claims``: a SCORED group dropped by its retention, a release a crash missed),
+counted on its heartbeat as ``broadcast/claims_collected``.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ log = get_logger()
 
 # At start-up, how long the search for a readable manifest behind an unreadable newest one may take.
 RESUME_SCAN_S = 10.0
+# Between two passes of the claim collector: claims become collectable only a publish deadline plus
+# outage budget (minutes) after their message is dropped, so a pass every few minutes loses nothing.
+CLAIM_COLLECT_EVERY_S = 300.0
 
 
 def refusal(upload: WeightManifest, shard: Shard, exc: BaseException) -> str:
@@ -133,19 +139,64 @@ class Broadcaster:
                 "broadcast/verify_seconds": self.verify_seconds}
 
 
+class ClaimSweeper:
+    """Runs the bus's claim collector every ``every`` seconds (``Bus.collect_claims``).
+
+    It lives in weight-broadcast because that is the one service of a run that already keeps the
+    object bucket (it deletes old weight versions) and holds the grants a collection needs (the
+    bucket, and reading every stream's state); the controller has no bucket grant.  The collector
+    keeps no state and deletes only what no held message can reference, so a restarted broadcast,
+    or a second one, is harmless.  A failed pass is logged and tried again at the next: a claim
+    left a while longer costs bytes, never a message."""
+
+    def __init__(self, bus: Bus, *, every: float = CLAIM_COLLECT_EVERY_S, margin: float | None = None) -> None:
+        self.bus = bus
+        self.every = every
+        self.margin = margin  # None: the bus's own (its publish deadline plus outage budget)
+        self.collected = 0
+        self.orphans = 0
+        self.kept = 0
+        self.failures = 0
+
+    async def loop(self) -> None:
+        while True:
+            await self.once()
+            await asyncio.sleep(self.every)
+
+    async def once(self) -> None:
+        try:
+            result = await self.bus.collect_claims(margin=self.margin)
+        except BusClosed:
+            raise  # the service is stopping
+        except BusError as exc:
+            self.failures += 1
+            log.warning("claim_collection_failed", error=str(exc)[:500],
+                        todo=f"tried again in {self.every:.0f}s; until then claims only take space")
+            return
+        self.collected += result.collected
+        self.orphans += result.orphans
+        self.kept = result.kept
+
+    def metrics(self) -> dict[str, float]:
+        return {"broadcast/claims_collected": self.collected, "broadcast/claims_kept": self.kept,
+                "broadcast/orphan_chunks_collected": self.orphans,
+                "broadcast/claim_collection_failures": self.failures}
+
+
 class BroadcastService:
     """The I/O around a ``Broadcaster``: uploads in, published manifests and a heartbeat out, and the
     two watches (generator heartbeats, held-out rounds) that decide what may be deleted."""
 
     def __init__(self, run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle,
-                 broadcaster: Broadcaster) -> None:
+                 broadcaster: Broadcaster, claims: ClaimSweeper | None = None) -> None:
         self.run_cfg = run_cfg
         self.bus = bus
         self.life = life
         self.subjects = Subjects(run_cfg.run)
         self.b = broadcaster
+        self.claims = claims if claims is not None else ClaimSweeper(bus)
         self.beat = Beat(bus, self.subjects, "broadcast", cfg.instance)
-        self.beat.extra = broadcaster.metrics
+        self.beat.extra = lambda: {**broadcaster.metrics(), **self.claims.metrics()}
         self.uploads = ConsumerSpec(stream="WEIGHTS", durable=self.subjects.durable("broadcast"),
                                     filter_subjects=(self.subjects.weight_uploads(run_cfg.model_name),), ack_wait=120,
                                     max_deliver=3, max_ack_pending=4)
@@ -188,7 +239,7 @@ class BroadcastService:
 
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
         """Every loop the service runs, for ``run_until_stopped``."""
-        return (lambda: self.beat.loop(self.life), self.watch_generators, self.watch_evaluations,
+        return (lambda: self.beat.loop(self.life), self.watch_generators, self.watch_evaluations, self.claims.loop,
                 lambda: self.bus.consume(self.uploads, WeightManifest.decode, self.on_upload, batch=1))
 
     async def on_upload(self, upload: WeightManifest, d: Delivery[WeightManifest]) -> None:

@@ -130,6 +130,15 @@ async def broadcast_pulls_upload(secured: Any, bus: S) -> None:
     await pull_one_and_ack(bus, spec("WEIGHTS", "broadcast", subjects().weight_uploads(MODEL)))
 
 
+async def broadcast_collects_claims(secured: Any, bus: S) -> None:
+    """A claim left by a release that never happened goes: stream state, bucket listing and purge."""
+    name = f"claims/ROLLOUTS/{msg_id()}"
+    await bus.objects.put(name, b"leftover")
+    await publish(bus, subjects().metrics("broadcast", "0"))  # the server's clock moves past the claim
+    await bus.collect_claims(margin=0.0)
+    assert name not in {o.name for o in await bus.objects.list()}
+
+
 async def objects_round_trip(secured: Any, bus: S) -> None:
     name = f"obj-{msg_id()}"
     await bus.objects.put(name, b"w" * 300_000)
@@ -220,6 +229,7 @@ ALLOWED: list[tuple[str, str, Action]] = [
     ("trainer", "put, get and delete an object", objects_round_trip),
     ("broadcast", "pull an upload and ack it", broadcast_pulls_upload),
     ("broadcast", "publish a weight version", pub(lambda: subjects().weights(MODEL))),
+    ("broadcast", "collect unreachable claims", broadcast_collects_claims),
     ("controller", "publish a control decision", pub(lambda: subjects().control_action("generator", "all", "pause"))),
     ("controller", "publish an eval task", pub(lambda: subjects().tasks("eval"))),
     ("controller", "read stream state and heartbeats", controller_reads_state),
