@@ -8,7 +8,7 @@ object and never reach into the bus.  It owns:
   the run's object store and the claim check on it, the publisher, the logger;
 - the open/closed state and the background tasks (``spawn``), cancelled or finished on close;
 - consumer declaration (``ensure_consumer``, once per durable; changed tunables are updated in
-  place, ``bus.streams``), and with the first one the follower of the run's captured
+  place, ``bus.streams``), and with each one the follower of that durable's captured
   max-deliveries advisories (``bus.advisories``);
 - the last handler error per stored message (``note_error``), so the max-deliveries dead letter
   says what went wrong, and the retry backoff of failed handlers.
@@ -180,7 +180,7 @@ class Connection:
                                    connected=lambda: bool(nc.is_connected), full_error=self.full_error)
         self._closing = False
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.max_deliveries = MaxDeliveries(self)
+        self.max_deliveries: dict[tuple[str, str], MaxDeliveries] = {}  # by (stream kind, durable)
         self._consumers_ok: set[ConsumerSpec] = set()
         self._last_errors: dict[tuple[str, int], str] = {}
         self.denials = Denials()  # replaced by the one the connection's error callback feeds (``open``)
@@ -357,7 +357,10 @@ class Connection:
                 lambda: ensure_consumer(self.js_declare, self.subjects, spec, log=self.log, replicas=replicas),
                 what), what)
             self._consumers_ok.add(spec)
-        self.max_deliveries.start()
+        key = (spec.stream, spec.durable)
+        if key not in self.max_deliveries:
+            self.max_deliveries[key] = MaxDeliveries(self, spec.stream, spec.durable)
+        self.max_deliveries[key].start()
         return stream
 
     async def pull_inbox(self, stream: str, durable: str, *, on_message: Callable[[Msg], None] | None = None,

@@ -23,7 +23,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
-StreamKind = Literal["TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "CONTROL", "METRICS", "DEAD"]
+StreamKind = Literal["TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "UPLOADS", "CONTROL", "METRICS", "DEAD"]
 
 
 class BusError(Exception):

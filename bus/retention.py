@@ -8,8 +8,9 @@ never loses data silently:
 
 | stream / bucket    | limit                                   | at the limit                                     |
 |--------------------|-----------------------------------------|--------------------------------------------------|
-| TASKS, ROLLOUTS    | ``queue_max_msgs``, ``queue_max_bytes`` | discard *new*: the publisher gets ``StreamFull`` |
-|                    | (each)                                  | naming the stream, the limit and the key to raise |
+| TASKS, ROLLOUTS,   | ``queue_max_msgs``, ``queue_max_bytes`` | discard *new*: the publisher gets ``StreamFull`` |
+| UPLOADS            | (each)                                  | naming the stream, the limit and the key to raise |
+|                    |                                         | (queued uploads are kept: the new one is refused) |
 | SCORED             | ``scored_max_msgs``, ``scored_max_bytes`` | discard *old*: the oldest groups, trained and    |
 |                    |                                         | acked long ago (kept only for replay), go first; |
 |                    |                                         | a burst larger than the cap, published faster    |
@@ -23,7 +24,8 @@ never loses data silently:
 |                    |                                         | weight-broadcast deletes versions past its keep, |
 |                    |                                         | and claims no held message can reference any     |
 |                    |                                         | more (``bus.claims``)                            |
-| WEIGHTS, METRICS   | last N per subject / max age (fixed)    | discard old (superseded versions, old heartbeats) |
+| WEIGHTS, METRICS   | last N per subject / max age (fixed)    | discard old (superseded published manifests, old |
+|                    |                                         | heartbeats); nothing there awaits a consumer     |
 
 A limit of 0 means "no limit" (the server's own storage bound applies).  Byte limits are off by
 default: the server *reserves* a stream's ``max_bytes`` of its storage when the stream is made

@@ -12,9 +12,9 @@ _ORIGIN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # The subject's kind token (``rl.<run>.<kind>.…``) -> the stream that stores it.
 _KIND_TOKENS: dict[str, StreamKind] = {
     "tasks": "TASKS", "rollouts": "ROLLOUTS", "scored": "SCORED", "weights": "WEIGHTS",
-    "control": "CONTROL", "metrics": "METRICS", "dead": "DEAD",
+    "uploads": "UPLOADS", "control": "CONTROL", "metrics": "METRICS", "dead": "DEAD",
 }
-WORK_QUEUES: frozenset[str] = frozenset({"TASKS", "ROLLOUTS"})
+WORK_QUEUES: frozenset[str] = frozenset({"TASKS", "ROLLOUTS", "UPLOADS"})
 
 
 def stream_kind_of(subject: str) -> StreamKind:

@@ -5,11 +5,24 @@
 | TASKS      | ``rl.<run>.tasks.>``      | work queue | msgs + bytes, discard new     | one durable per pool, disjoint filters |
 | ROLLOUTS   | ``rl.<run>.rollouts.>``   | work queue | msgs + bytes, discard new     | generator -> reward                    |
 | SCORED     | ``rl.<run>.scored.>``     | limits     | msgs + bytes, discard old     | kept for replay; trainer acks after commit |
-| WEIGHTS    | ``rl.<run>.weights.>``    | limits     | last 1024 per subject         | manifests and uploads                  |
+| WEIGHTS    | ``rl.<run>.weights.>``    | limits     | last 1024 per subject         | published manifests (watched)          |
+| UPLOADS    | ``rl.<run>.uploads.>``    | work queue | msgs + bytes, discard new     | trainer -> weight-broadcast, acked     |
 | CONTROL    | ``rl.<run>.control.>``    | limits     | last N per subject            | the controller's audit trail           |
 | METRICS    | ``rl.<run>.metrics.>``    | limits     | short max-age                 | heartbeats                             |
 | DEAD       | ``rl.<run>.dead.>``       | limits     | msgs + bytes, discard new     | bad messages with their reason         |
-| ADVISORIES | max-deliveries advisories | work queue | msgs, discard old             | ``bus.advisories``                     |
+| ADVISORIES | max-deliveries advisories | work queue | msgs, discard old             | one durable per followed durable       |
+
+UPLOADS is a work queue like TASKS: an upload stays until weight-broadcast (its only consumer)
+acks it, verified and announced or refused into DEAD, and a burst beyond ``queue_max_msgs`` is
+refused to its publisher (``StreamFull`` naming the key) instead of pushing out an unread real
+version, as the per-subject limit of WEIGHTS, where uploads used to live, did.  Its subjects do
+not overlap the old ``rl.<run>.weights.<model>.upload`` (JetStream refuses overlapping streams),
+so an existing run migrates in place: its next connect creates UPLOADS beside the unchanged
+WEIGHTS, and weight-broadcast reads uploads from there under a new durable.  What the old durable
+(``broadcast`` on WEIGHTS) had not read is left behind: before upgrading, stop the trainer and
+let weight-broadcast announce its last upload (the version ``rlbus status`` shows), or accept that
+the trainer's next version supersedes it.  The old durable can then be removed
+(``nats consumer rm RL_<run>_WEIGHTS broadcast``).
 
 Every stream has a ``duplicate_window`` so a publisher retrying with the same ``Nats-Msg-Id``
 is stored once.  ``ensure_streams`` is idempotent: it creates what is missing and accepts what is
@@ -47,10 +60,10 @@ from bus.subjects import STREAM_KINDS, Subjects
 
 DUPLICATE_WINDOW_S = 600.0
 METRICS_MAX_AGE_S = 600.0
-# Messages kept per WEIGHTS subject.  The uploads subject shares it: an upload beyond it is
-# discarded whether or not weight-broadcast has read it, so it must be far above any burst (a
-# fuzz run lost a valid upload behind 8 forged ones).  Manifests are small (the bytes live in the
-# object store), so a thousand per subject costs little.
+# Messages kept per WEIGHTS subject: published manifests, read by watches and ``last``.  Past it
+# the oldest are discarded, so nothing that must still be consumed lives there (uploads have
+# their own work queue, UPLOADS).  Manifests are small (the bytes live in the object store), so
+# a thousand per subject costs little and keeps a history of versions for a lagging reader.
 WEIGHTS_PER_SUBJECT = 1024
 ADVISORIES_MAX_MSGS = 100_000
 
@@ -111,6 +124,7 @@ def declarations(subjects: Subjects, *, retention: Retention | None = None,
         cfg("ROLLOUTS", "rollouts", wq),
         cfg("SCORED", "scored", limits),
         cfg("WEIGHTS", "weights", limits, max_msgs_per_subject=weights_per_subject),
+        cfg("UPLOADS", "uploads", wq),
         cfg("CONTROL", "control", limits),
         # The dedupe window may not exceed max_age.
         cfg("METRICS", "metrics", limits, max_age=metrics_max_age,
@@ -128,10 +142,66 @@ def advisory_declaration(subjects: Subjects, *, retention: Retention | None = No
     ), ("num_replicas",))
 
 
+# The one advisory durable every consuming connection shared before each durable got its own
+# (``bus.advisories``).  Unfiltered, it overlaps every per-durable one on the work queue, so it
+# is removed when found; the advisories it had not acked stay in the stream for the new ones.
+LEGACY_ADVISORY_DURABLE = "rlbus_max_deliveries"
+ADVISORY_ACK_WAIT_S = 60.0
+_WQ_OVERLAP = (10100, 10101)  # a work queue refused a consumer whose filter overlaps another's
+
+
+def advisory_consumer_config(subjects: Subjects, kind: str, durable: str,
+                             replicas: int | None = None) -> api.ConsumerConfig:
+    """The ADVISORIES durable following only ``durable`` of stream ``kind``: a service reads the
+    advisories of what it consumes, never another role's (which it could not act on)."""
+    return api.ConsumerConfig(
+        durable_name=subjects.advisory_durable(kind, durable), ack_policy=api.AckPolicy.EXPLICIT,
+        ack_wait=ADVISORY_ACK_WAIT_S, max_deliver=-1, deliver_policy=api.DeliverPolicy.ALL, max_ack_pending=1000,
+        filter_subject=subjects.max_deliveries_advisory(kind, durable), num_replicas=replicas,
+    )
+
+
+async def ensure_advisory_consumer(js: Any, subjects: Subjects, kind: str, durable: str, *,
+                                   replicas: int | None = None, log: Any = None) -> str:
+    """Declare the advisory durable of (``kind``, ``durable``); with ``replicas`` (the run's
+    ``Retention.replicas``) an existing one is given that many copies in place, like the run's
+    other durables.  Returns its name."""
+    cfg = advisory_consumer_config(subjects, kind, durable, replicas)
+    stream, name = subjects.advisory_stream, cfg.durable_name
+    try:
+        info = await js.consumer_info(stream, name)
+    except NotFoundError:
+        try:
+            await js.add_consumer(stream, cfg)
+        except APIError as exc:
+            if exc.err_code in _WQ_OVERLAP and await _drop_legacy(js, stream, log):
+                await js.add_consumer(stream, cfg)
+            elif exc.err_code != 10148:  # already exists: another replica made it meanwhile
+                raise
+        return name
+    if replicas is not None and _copies(info) != replicas:
+        await js.add_consumer(stream, replace(info.config, num_replicas=replicas))
+        if log is not None:
+            log.warning("durable_updated", stream=stream, durable=name,
+                        changes=[f"num_replicas: {_copies(info)} -> {replicas}"])
+    return name
+
+
+async def _drop_legacy(js: Any, stream: str, log: Any) -> bool:
+    try:
+        await js.delete_consumer(stream, LEGACY_ADVISORY_DURABLE)
+    except NotFoundError:
+        return False
+    if log is not None:
+        log.warning("advisory_durable_migrated", stream=stream, removed=LEGACY_ADVISORY_DURABLE,
+                    why="each consumed durable now has its own advisory durable; pending advisories stay")
+    return True
+
+
 def limit_key(subjects: Subjects, stream: str, why: str) -> str:
     """The run config key that raises the limit ``why`` (the server's words) of ``stream``."""
     by_bytes = "bytes" in why
-    prefix = {subjects.stream("TASKS"): "queue", subjects.stream("ROLLOUTS"): "queue",
+    prefix = {**{subjects.stream(k): "queue" for k in WORK_QUEUES},
               subjects.stream("SCORED"): "scored", subjects.stream("DEAD"): "dead"}.get(stream)
     if prefix is not None:
         return RETENTION_KEYS[f"{prefix}_max_{'bytes' if by_bytes else 'msgs'}"]

@@ -30,7 +30,7 @@ def _token(kind: str, value: str) -> str:
 
 
 # Stream names are global on a server, so they carry the run too.
-STREAM_KINDS = ("TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "CONTROL", "METRICS", "DEAD")
+STREAM_KINDS = ("TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "UPLOADS", "CONTROL", "METRICS", "DEAD")
 ENV_OPS = ("reset", "reset_batch", "step")
 # Emitted by the server (core NATS) when a message exhausts a consumer's max_deliver.
 MAX_DELIVERIES_ADVISORY = "$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES"
@@ -63,8 +63,10 @@ class Subjects:
         return f"{self.root}.weights.{_token('model', model)}"
 
     def weight_uploads(self, model: str) -> str:
-        """Trainer -> weight-broadcast hand-off of a freshly written version (same WEIGHTS stream)."""
-        return f"{self.root}.weights.{_token('model', model)}.upload"
+        """Trainer -> weight-broadcast hand-off of a freshly written version: its own work-queue
+        stream (UPLOADS, see ``bus.streams``), outside WEIGHTS, so no burst can push a real version
+        out before weight-broadcast has read it."""
+        return f"{self.root}.uploads.{_token('model', model)}"
 
     def control(self, service: str, instance: str = "all") -> str:
         return f"{self.root}.control.{_token('service', service)}.{_token('instance', instance)}"
@@ -121,6 +123,16 @@ class Subjects:
     def max_deliveries_advisories(self) -> list[str]:
         """The server's max-deliveries advisory subjects of every stream of this run (any consumer)."""
         return [f"{MAX_DELIVERIES_ADVISORY}.{self.stream(kind)}.*" for kind in STREAM_KINDS]
+
+    def max_deliveries_advisory(self, kind: str, durable: str) -> str:
+        """The server's max-deliveries advisory subject of one durable of one stream of this run."""
+        return f"{MAX_DELIVERIES_ADVISORY}.{self.stream(kind)}.{_token('durable', durable)}"
+
+    def advisory_durable(self, kind: str, durable: str) -> str:
+        """The ADVISORIES durable that follows ``max_deliveries_advisory(kind, durable)`` only."""
+        if kind not in STREAM_KINDS:
+            raise SubjectError(f"unknown stream kind {kind!r}; expected one of {STREAM_KINDS}")
+        return f"rlbus_maxdel_{kind}_{_token('durable', durable)}".replace("-", "_")
 
     def durable(self, role: str, pool: str | None = None) -> str:
         name = f"{_token('role', role)}" + (f"_{_token('pool', pool)}" if pool else "")

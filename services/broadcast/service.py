@@ -1,11 +1,11 @@
 """weight-broadcast service — verify, version and announce new policy weights.
 
-consumes:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  durable 'broadcast'
+consumes:  rl.<run>.uploads.<model>  (WeightManifest state=uploaded)  durable 'broadcast' on UPLOADS
            rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use
            rl.<run>.control.generator.all.evaluate  (Control ``Evaluate``)  versions held-out rounds are pinned to
 produces:  rl.<run>.weights.<model>         (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
            the newest message on that subject is the ``latest`` pointer late joiners read
-           rl.<run>.dead.weights|control     an upload that fails verification; an evaluate record that does
+           rl.<run>.dead.uploads|control     an upload that fails verification; an evaluate record that does
                                              not decode or holds another decision (with the reason)
 waits for: the trainer's uploads
 A shard whose bytes are missing, unaddressable (a bad object name) or do not match their sha256 is
@@ -197,7 +197,7 @@ class BroadcastService:
         self.claims = claims if claims is not None else ClaimSweeper(bus)
         self.beat = Beat(bus, self.subjects, "broadcast", cfg.instance)
         self.beat.extra = lambda: {**broadcaster.metrics(), **self.claims.metrics()}
-        self.uploads = ConsumerSpec(stream="WEIGHTS", durable=self.subjects.durable("broadcast"),
+        self.uploads = ConsumerSpec(stream="UPLOADS", durable=self.subjects.durable("broadcast"),
                                     filter_subjects=(self.subjects.weight_uploads(run_cfg.model_name),), ack_wait=120,
                                     max_deliver=3, max_ack_pending=4)
 

@@ -18,14 +18,17 @@ dataflow contract; the JetStream API subjects follow what the bus does for it (`
 | generator   | rollouts, env requests                 | TASKS generator_<pool>     | WEIGHTS, CONTROL       | yes    |
 | environment | replies to env requests only           | (core request/reply)       |                        | no     |
 | reward      | scored                                 | ROLLOUTS reward            |                        | yes    |
-| trainer     | weight uploads                         | SCORED trainer             | WEIGHTS (last)         | yes    |
-| broadcast   | weight versions                        | WEIGHTS broadcast          | WEIGHTS, METRICS, CONTROL | yes |
+| trainer     | weight uploads (UPLOADS)               | SCORED trainer             | WEIGHTS (last)         | yes    |
+| broadcast   | weight versions                        | UPLOADS broadcast          | WEIGHTS, METRICS, CONTROL | yes |
 | controller  | control decisions, eval-pool tasks     |                            | CONTROL, METRICS, stream state | no |
 
-Every service also publishes its own heartbeats (``metrics.<role>.*``) and dead letters, and pulls
-the run's shared max-deliveries advisories durable.  Each user receives replies only on its own
-inbox prefix ``_INBOX.<role>`` (the bus sets it from ``nats_user``), so no role can subscribe to
-another's pulled messages or API replies.
+Every service also publishes its own heartbeats (``metrics.<role>.*``) and dead letters, and pulls,
+for each durable it consumes, that durable's own max-deliveries advisory durable on ADVISORIES
+(``Subjects.advisory_durable``), and none of another role's: an advisory names a message that only
+the durable's role may read.  Consumers may also delete the one advisory durable a run made
+before that split (``bus.streams.LEGACY_ADVISORY_DURABLE``), which the first declaration removes.
+Each user receives replies only on its own inbox prefix ``_INBOX.<role>`` (the bus sets it from
+``nats_user``), so no role can subscribe to another's pulled messages or API replies.
 
 Who declares streams: every role may CREATE, UPDATE and INFO the run's streams (and bucket users the
 bucket's), because the bus declares them idempotently on connect, so services start in any order
@@ -46,9 +49,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.advisories import ADVISORY_DURABLE
 from bus.credentials import inbox_prefix
 from bus.routing import WORK_QUEUES
+from bus.streams import LEGACY_ADVISORY_DURABLE
 from bus.subjects import ENV_OPS, STREAM_KINDS, Subjects
 from services.catalog import SERVICES
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
@@ -61,7 +64,6 @@ ROLES: tuple[str, ...] = (*SERVICES, OPERATOR)
 # logging in at once ran past nats-py's 2 s connect timeout).
 BCRYPT_COST = 8
 PASSWORD_BYTES = 32
-CONSUMERS = ("generator", "reward", "trainer", "broadcast")  # the roles with durables
 API = "$JS.API"
 
 
@@ -116,7 +118,7 @@ class RunPermissions:
             g.pub(s.weight_uploads(model))
             self.bucket(g)
         elif role == "broadcast":
-            self.consume(g, "WEIGHTS", [s.durable("broadcast")])
+            self.consume(g, "UPLOADS", [s.durable("broadcast")])
             self.watch(g, "WEIGHTS", "METRICS", "CONTROL")
             g.pub(s.weights(model))
             self.bucket(g)
@@ -132,29 +134,33 @@ class RunPermissions:
     # --- building blocks ------------------------------------------------------------------
     def service_base(self, role: str) -> Grant:
         """What every service does: declare the run's streams (see the module docstring), publish its
-        heartbeats and dead letters, follow the max-deliveries advisories, get replies on its inbox."""
+        heartbeats and dead letters, get replies on its inbox."""
         g = Grant()
         for st in self.streams:
             g.pub(*(f"{API}.STREAM.{op}.{st}" for op in ("INFO", "CREATE", "UPDATE")))
         g.pub(self.s.metrics_of(role), f"{self.s.root}.dead.*")
-        if role in CONSUMERS:  # a connection follows the advisories once it declares a durable
-            self.consume(g, None, [ADVISORY_DURABLE], stream=self.s.advisory_stream)
         g.sub(f"{inbox_prefix(role)}.>")
         return g
 
-    def consume(self, g: Grant, kind: str | None, durables: list[str], *, stream: str | None = None) -> None:
+    def consume(self, g: Grant, kind: str, durables: list[str]) -> None:
         """Pull from ``durables`` of one stream: declare and read them, ack, nak and heartbeat their
-        messages; read a message by sequence to dead-letter it when it exhausts max_deliver, and
-        delete it then from a work queue."""
-        st = stream or self.s.stream(str(kind))
+        messages; follow each one's max-deliveries advisories (``bus.advisories``), read the message
+        an advisory names by sequence to dead-letter it, and delete it then from a work queue."""
+        st = self.s.stream(kind)
+        self.pull(g, st, durables)
+        self.pull(g, self.s.advisory_stream, [self.s.advisory_durable(kind, d) for d in durables])
+        g.pub(f"{API}.CONSUMER.DELETE.{self.s.advisory_stream}.{LEGACY_ADVISORY_DURABLE}")
+        g.pub(f"{API}.STREAM.MSG.GET.{st}")
+        if kind in WORK_QUEUES:
+            g.pub(f"{API}.STREAM.MSG.DELETE.{st}")
+
+    @staticmethod
+    def pull(g: Grant, st: str, durables: list[str]) -> None:
+        """Declare ``durables`` of stream ``st``, pull from them, ack their messages."""
         for d in durables:
             g.pub(f"{API}.CONSUMER.DURABLE.CREATE.{st}.{d}", f"{API}.CONSUMER.CREATE.{st}.{d}",
                   f"{API}.CONSUMER.CREATE.{st}.{d}.>", f"{API}.CONSUMER.INFO.{st}.{d}",
                   f"{API}.CONSUMER.MSG.NEXT.{st}.{d}", f"$JS.ACK.{st}.{d}.>")
-        if kind is not None:
-            g.pub(f"{API}.STREAM.MSG.GET.{st}")
-            if kind in WORK_QUEUES:
-                g.pub(f"{API}.STREAM.MSG.DELETE.{st}")
 
     def read_last(self, g: Grant, *kinds: str) -> None:
         """The newest message on a subject (``Bus.last``): a direct get."""

@@ -2,7 +2,7 @@
 
 consumes:  rl.<run>.scored.<pool>   (ScoredGroup)  durable 'trainer', explicit ack once two
                                                    checkpoints cover the step that used it
-produces:  rl.<run>.weights.<model>.upload  (WeightManifest state=uploaded)  msg id 'upload.<model>.v<N>'
+produces:  rl.<run>.uploads.<model>  (WeightManifest state=uploaded, UPLOADS)  msg id 'upload.<model>.v<N>'
            rl.<run>.metrics.trainer.<instance>  (Heartbeat) per step: loss, mismatch, staleness, idle,
                                                    group outcomes per pool and per generator
 reads:     rl.<run>.weights.<model>  (last WeightManifest) once at start: with <checkpoints>/versions.json

@@ -1,7 +1,7 @@
 """Weight hand-over: each new version's weights go to weight-broadcast, one version at a time.
 
 The weights are snapshotted when a step ends (the next step changes them), then written through
-the weight transport and announced on ``rl.<run>.weights.<model>.upload`` in the background,
+the weight transport and announced on ``rl.<run>.uploads.<model>`` in the background,
 while the trainer already fills its next batch.  One upload runs at a time, in version order, so
 weight-broadcast never sees version N + 1 before N.  Each version is recorded in the run's
 ``VersionBook`` before its bytes are written, so a restarted trainer never reuses its number.

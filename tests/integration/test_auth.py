@@ -127,7 +127,27 @@ async def trainer_pulls_scored(secured: Any, bus: S) -> None:
 
 async def broadcast_pulls_upload(secured: Any, bus: S) -> None:
     await feed(secured, subjects().weight_uploads(MODEL))
-    await pull_one_and_ack(bus, spec("WEIGHTS", "broadcast", subjects().weight_uploads(MODEL)))
+    await pull_one_and_ack(bus, spec("UPLOADS", "broadcast", subjects().weight_uploads(MODEL)))
+
+
+def follows_advisories(kind: str, durable: str) -> Action:
+    """Declare the advisory durable of (``kind``, ``durable``) and pull from it, as
+    ``bus.advisories`` does for a connection that consumes that durable."""
+    async def act(secured: Any, bus: S) -> None:
+        from bus.streams import ensure_advisory_consumer
+
+        name = await ensure_advisory_consumer(bus.connection.js, subjects(), kind, durable)
+        inbox = await bus.connection.pull_inbox(subjects().advisory_stream, name)
+        try:
+            assert await inbox.fetch(1, 0.5) == []
+        finally:
+            await inbox.stop()
+    act.__name__ = "follows_advisories"
+    return act
+
+
+async def trainer_pulls_uploads(secured: Any, bus: S) -> None:
+    await bus.puller(spec("UPLOADS", "broadcast", subjects().weight_uploads(MODEL)), lambda b: b).fetch(1, 1.0)
 
 
 async def broadcast_collects_claims(secured: Any, bus: S) -> None:
@@ -234,6 +254,8 @@ ALLOWED: list[tuple[str, str, Action]] = [
     ("broadcast", "pull an upload and ack it", broadcast_pulls_upload),
     ("broadcast", "publish a weight version", pub(lambda: subjects().weights(MODEL))),
     ("broadcast", "collect unreachable claims", broadcast_collects_claims),
+    ("generator", "follow its own durable's advisories", follows_advisories("TASKS", "generator_train")),
+    ("broadcast", "follow the uploads' advisories", follows_advisories("UPLOADS", "broadcast")),
     ("controller", "publish a control decision", pub(lambda: subjects().control_action("generator", "all", "pause"))),
     ("controller", "publish an eval task", pub(lambda: subjects().tasks("eval"))),
     ("controller", "read stream state and heartbeats", controller_reads_state),
@@ -253,6 +275,10 @@ FORBIDDEN: list[tuple[str, str, Action, str]] = [
     ("generator", "purge a stream", purge_scored, "publish"),
     ("generator", "delete a stream", delete_tasks, "publish"),
     ("generator", "subscribe to the trainer's inbox", snoop_trainer_inbox, "subscribe"),
+    # An advisory names a message of the durable's stream: only the role that may read it follows it.
+    ("generator", "follow the trainer's advisories", follows_advisories("SCORED", "trainer"), "publish"),
+    ("trainer", "follow weight-broadcast's advisories", follows_advisories("UPLOADS", "broadcast"), "publish"),
+    ("trainer", "pull the uploads (weight-broadcast's alone)", trainer_pulls_uploads, "publish"),
     ("reward", "publish a weight version", pub(lambda: subjects().weights(MODEL)), "publish"),
     ("reward", "delete a stream", delete_tasks, "publish"),
     ("trainer", "publish a weight version (only uploads)", pub(lambda: subjects().weights(MODEL)), "publish"),

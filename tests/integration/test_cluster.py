@@ -30,6 +30,7 @@ from bus.jetstream import JetStreamBus
 from bus.protocol import BusConfigError, Delivery
 from bus.retention import Retention
 from bus.server import EmbeddedServer, cluster_nodes
+from bus.subjects import STREAM_KINDS
 from schemas import Task
 from tests.integration.helpers import eventually, task_spec
 
@@ -98,7 +99,7 @@ async def test_six_services_starting_with_a_fresh_cluster_all_declare_the_stream
         failed = [r for r in results if isinstance(r, BaseException)]
         assert not failed, f"{len(failed)} of 6 services could not start: {failed}"
         s = buses[0].subjects
-        for kind in ("TASKS", "ROLLOUTS", "SCORED", "WEIGHTS", "CONTROL", "METRICS", "DEAD"):
+        for kind in STREAM_KINDS:
             replicas, leader, _ = await stream_replicas(buses[0], s.stream(kind))
             assert replicas == 3 and leader, f"{kind}: {replicas} replicas, leader {leader!r}"
         await buses[0].objects.put("w", b"x" * 1000)

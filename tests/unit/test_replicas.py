@@ -13,7 +13,7 @@ from bus.protocol import BusConfigError, ServerUnavailable
 from bus.retention import Retention
 from bus.server import EmbeddedServer, ServerError, cluster_nodes
 from bus.streams import PlacementWait, advisory_declaration, declarations, ensure_stream
-from bus.subjects import Subjects
+from bus.subjects import STREAM_KINDS, Subjects
 from services.runtime.config import ConfigError, RunSettings, load_section
 
 
@@ -38,7 +38,7 @@ def test_bus_options_carry_the_replicas_to_the_retention():
 def test_every_stream_of_the_run_is_declared_with_the_replicas():
     s = Subjects("r")
     decls = [*declarations(s, retention=Retention(replicas=3)), advisory_declaration(s, retention=Retention(replicas=3))]
-    assert len(decls) == 8
+    assert len(decls) == len(STREAM_KINDS) + 1
     for d in decls:
         assert d.config.num_replicas == 3, d.kind
         # A connection without the run config (a CLI tool) keeps the server's count, as with limits.

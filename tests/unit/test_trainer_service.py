@@ -265,7 +265,7 @@ async def until(what: str, cond: Callable[[], bool], timeout: float = 30.0) -> N
 
 def uploads(bus: MemoryBus) -> list[WeightManifest]:
     subject = bus.subjects.weight_uploads("policy")
-    return [WeightManifest.decode(data) for s, data in bus.messages("WEIGHTS") if s == subject]
+    return [WeightManifest.decode(data) for s, data in bus.messages("UPLOADS") if s == subject]
 
 
 def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
