@@ -10,12 +10,12 @@ import json
 from typing import Any
 
 import pytest
-from nats.js import api
-from nats.js.errors import NotFoundError
 
 from bus.protocol import ConsumerSpec, StreamFull
 from bus.retention import Retention
-from bus.streams import LEGACY_ADVISORY_DURABLE
+
+# nats types through bus.streams: only bus/ imports nats (tests/unit/test_imports.py)
+from bus.streams import LEGACY_ADVISORY_DURABLE, NotFoundError, api
 from schemas import Shard, Task, WeightManifest
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import dead_letters, eventually, task_spec

@@ -8,14 +8,16 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from nats.js import api
-from nats.js.errors import NotFoundError
 
 from bus.retention import RETENTION_KEYS, Retention
 from bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
+
+# nats types through bus.streams: only bus/ imports nats (tests/unit/test_imports.py)
 from bus.streams import (
+    NotFoundError,
     advisory_consumer_config,
     advisory_declaration,
+    api,
     declarations,
     ensure_advisory_consumer,
     limit_key,
