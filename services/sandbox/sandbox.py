@@ -303,6 +303,9 @@ class Sandbox:
         return list(argv)
 
     def close(self) -> None:
+        """Remove the run dirs; safe to call twice.  Runs still in flight are the caller's to await."""
+        for task in self._resting:
+            task.cancel()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -350,7 +353,8 @@ class _Run:
                 self.killed_for = "output" if overflowed in done else "wall"
                 self._kill(proc)
             status, rusage = await exited
-            self._kill_leftovers()  # daemons that escaped the group die with their uid
+            if self.isolation.separate_uid and uid_processes(self.uid):
+                self._kill_leftovers()  # daemons that escaped the group die with their uid
             await asyncio.wait(drains, timeout=5)
         finally:
             for t in (*drains, overflowed):
