@@ -333,14 +333,35 @@ class _Run:
         t0 = time.monotonic()
         # Popen drops to the run's uid itself, except where `unshare -n` must start as root and drop.
         sep = self.isolation.separate_uid and self.isolation.bwrap
-        proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            cwd=self.work, start_new_session=True, preexec_fn=self._preexec, close_fds=True,
-            user=self.uid if sep else None, group=self.uid if sep else None, extra_groups=[] if sep else None,
-            env={"PATH": "/usr/bin:/bin", "HOME": str(self.work), "LANG": "C.UTF-8"})
+        try:
+            proc = subprocess.Popen(
+                self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                cwd=self.work, start_new_session=True, preexec_fn=self._preexec, close_fds=True,
+                user=self.uid if sep else None, group=self.uid if sep else None, extra_groups=[] if sep else None,
+                env={"PATH": "/usr/bin:/bin", "HOME": str(self.work), "LANG": "C.UTF-8"})
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise SandboxError(f"could not start {self.argv[0]!r} for a sandboxed run ({exc}): check that it is "
+                               "installed and that this service runs as root (a uid per run needs it)") from exc
         loop = asyncio.get_running_loop()
-        out, err = await asyncio.gather(self._reader(proc.stdout, loop), self._reader(proc.stderr, loop))
-        pipes = (_Pipe(out, self.limits.output_bytes), _Pipe(err, self.limits.output_bytes))
+        transports: list[asyncio.BaseTransport] = []
+        try:
+            pipes = []
+            for f in (proc.stdout, proc.stderr):
+                reader = asyncio.StreamReader(limit=2**20)
+                transport, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r), f)
+                transports.append(transport)
+                pipes.append(_Pipe(reader, self.limits.output_bytes))
+            status, rusage = await self._supervise(proc, pipes, stdin)
+        except BaseException:
+            self._kill(proc)  # cancelled (service shutdown) or failed: the run must not outlive us
+            proc.wait(timeout=10)  # killed, so this returns at once
+            raise
+        finally:
+            for transport in transports:
+                transport.close()  # closes the pipe too
+        return self._execution(status, rusage, (pipes[0], pipes[1]), time.monotonic() - t0)
+
+    async def _supervise(self, proc: subprocess.Popen, pipes: list[_Pipe], stdin: bytes):
         overflow = asyncio.Event()
         drains = [asyncio.create_task(p.drain(overflow)) for p in pipes]
         feeder = asyncio.create_task(asyncio.to_thread(self._feed, proc, stdin))
@@ -356,19 +377,14 @@ class _Run:
             if self.isolation.separate_uid and uid_processes(self.uid):
                 self._kill_leftovers()  # daemons that escaped the group die with their uid
             await asyncio.wait(drains, timeout=5)
+            return status, rusage
+        except BaseException:
+            self._kill(proc)  # before awaiting the feeder, which a live program may block forever
+            raise
         finally:
-            for t in (*drains, overflowed):
+            for t in (*drains, overflowed, exited):
                 t.cancel()
             await asyncio.gather(feeder, return_exceptions=True)
-            for f in (proc.stdout, proc.stderr):
-                f.close()
-        return self._execution(status, rusage, pipes, time.monotonic() - t0)
-
-    @staticmethod
-    async def _reader(pipe, loop: asyncio.AbstractEventLoop) -> asyncio.StreamReader:
-        reader = asyncio.StreamReader(limit=2**20)
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
-        return reader
 
     @staticmethod
     def _feed(proc: subprocess.Popen, stdin: bytes) -> None:

@@ -155,6 +155,17 @@ async def test_runs_are_concurrent(sandbox):
     assert (await slow).limit_hit == "wall"
 
 
+async def test_cancelled_run_leaves_nothing_behind(sandbox):
+    # A service shutting down cancels its runs: the program (which never reads its stdin) dies with them.
+    run = asyncio.create_task(sandbox.run_code("import time; time.sleep(600)", stdin=b"x" * (1 << 20)))
+    await asyncio.sleep(0.5)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert not leftovers(range(UID_BASE, UID_BASE + 4))
+    await still_serves(sandbox)
+
+
 async def test_fallback_without_bwrap_says_what_it_lacks(tmp_path):
     sb = Sandbox(SandboxSettings(uid_base=UID_BASE + 8, max_concurrent=1, limits=SMALL), use_bwrap=False)
     try:
