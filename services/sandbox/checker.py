@@ -21,9 +21,9 @@ from typing import Any
 from services.sandbox.sandbox import Execution, Sandbox, SandboxLimits
 
 DRIVER_INSIDE = "/checker/driver.py"
-# One process to spare beyond bubblewrap's two and the interpreter (3 races the teardown of the
-# previous run under the same uid): a fork-and-exit child dies with the pid namespace.
-CHECK_LIMITS = SandboxLimits(wall_s=10, cpu_s=5, memory_mb=512, processes=4)
+# No fork and no thread for the submission (bubblewrap's process and the interpreter fill the
+# budget): fork-and-exit fails at the fork instead of racing the pid namespace's teardown.
+CHECK_LIMITS = SandboxLimits(wall_s=10, cpu_s=5, memory_mb=512, processes=2)
 
 
 @dataclass(frozen=True)

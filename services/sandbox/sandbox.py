@@ -50,12 +50,12 @@ class SandboxLimits(Settings):
     """Per-execution limits.  Small by default: a unit-test run of a short program."""
 
     wall_s: float = Field(10.0, gt=0, le=3600, description="Wall-clock seconds before every process of the run is killed.")
-    cpu_s: int = Field(5, ge=1, le=3600, description="RLIMIT_CPU per process, seconds (SIGXCPU, then SIGKILL).")
+    cpu_s: int = Field(5, ge=1, le=3600, description="RLIMIT_CPU per process, seconds (then SIGKILL).")
     memory_mb: int = Field(512, ge=32, le=65536, description="RLIMIT_AS per process, MiB (allocation fails past it).")
     file_size_mb: int = Field(16, ge=1, le=4096, description="RLIMIT_FSIZE: largest file the program may write, MiB.")
-    processes: int = Field(16, ge=3, le=4096, description=(
-        "RLIMIT_NPROC for the run's own uid: every process and thread of the run, the sandbox's two "
-        "bubblewrap processes included (3 allows no fork at all)."))
+    processes: int = Field(16, ge=2, le=4096, description=(
+        "RLIMIT_NPROC for the run's own uid: every process and thread of the run, bubblewrap's own "
+        "process and the program included (2 allows no fork or thread at all)."))
     open_files: int = Field(64, ge=16, le=65536, description="RLIMIT_NOFILE per process.")
     output_bytes: int = Field(64 * 1024, ge=1024, le=64 * MiB, description=(
         "Bytes kept of stdout and of stderr each; a run printing past it is killed (limit_hit='output')."))

@@ -9,7 +9,7 @@ import hashlib
 import pytest
 
 from services.sandbox import Sandbox, SandboxSettings, probe
-from services.sandbox.checker import HiddenTest, HiddenTestChecker
+from services.sandbox.checker import CHECK_LIMITS, HiddenTest, HiddenTestChecker
 
 ISO = probe()
 pytestmark = pytest.mark.skipif(not (ISO.bwrap and ISO.separate_uid),
@@ -49,7 +49,7 @@ HACKS = {
                         "        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\n" + WRONG,
                         "tests failed"),  # as pid 1 of its namespace it survives its own kills: scored by its answers
     "fork and exit": ("import os\nif os.fork():\n    os._exit(0)\n"
-                      "def add(a, b):\n    return a + b\ndef tag():\n    return ''\n", ""),
+                      "def add(a, b):\n    return a + b\ndef tag():\n    return ''\n", "BlockingIOError"),
     "always-equal object": ("class Yes:\n    def __eq__(self, other):\n        return True\n"
                             "def add(a, b):\n    return Yes()\ndef tag():\n    return Yes()\n", "not plain data"),
     "int subclass with __eq__": ("class Yes(int):\n    def __eq__(self, other):\n        return True\n"
@@ -97,9 +97,10 @@ async def test_reward_hack_scores_zero_with_reason(checker, name):
     await assert_still_checks(checker)
 
 
-async def test_fork_and_exit_reason_names_it(checker):
-    # Whichever way the race goes (fork refused by the process limit, child killed with the pid
-    # namespace, or child answering), the verdict is 0 and says why.
-    v = await checker.check(HACKS["fork and exit"][0], TESTS)
+async def test_fork_and_exit_caught_by_the_pid_check_too(checker):
+    # With forks allowed, the child that goes on answering is caught by its pid, or dies with the
+    # pid namespace when the parent exits: either way 0 with the reason.
+    loose = HiddenTestChecker(checker.sandbox, CHECK_LIMITS.model_copy(update={"processes": 4}))
+    v = await loose.check(HACKS["fork and exit"][0], TESTS)
     assert v.passed == 0
-    assert any(p in v.reason for p in ("BlockingIOError", "exiting early", "forked")), v.reason
+    assert "forked" in v.reason or "exiting early" in v.reason, v.reason
