@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.sandbox.sandbox import Execution, Sandbox, SandboxLimits
+from services.sandbox.sandbox import Execution, Sandbox, SandboxError, SandboxLimits
 
 DRIVER_INSIDE = "/checker/driver.py"
 # No fork and no thread for the submission (bubblewrap's process and the interpreter fill the
@@ -67,7 +67,7 @@ class HiddenTestChecker:
 
     async def check(self, source: str, tests: list[HiddenTest], *, module: str = "solution") -> CheckVerdict:
         if not module.isidentifier():
-            raise ValueError(f"module name {module!r} is not a Python identifier: name the submission like a module")
+            raise SandboxError(f"module name {module!r} is not a Python identifier: name the submission like a module")
         calls = [{"id": i, "fn": t.fn, "args": list(t.args), "kwargs": dict(t.kwargs)} for i, t in enumerate(tests)]
         request = json.dumps({"module": module, "calls": calls}).encode()
         bwrap = self.sandbox.isolation.bwrap

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.sandbox import Sandbox, SandboxLimits, SandboxSettings, probe
+from services.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSettings, probe
 from services.sandbox.sandbox import uid_processes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +153,12 @@ async def test_runs_are_concurrent(sandbox):
     assert [q.stdout for q in quick] == [b"0\n", b"1\n", b"2\n"]
     assert time.monotonic() - t0 < SMALL.wall_s and not slow.done()
     assert (await slow).limit_hit == "wall"
+
+
+async def test_file_names_cannot_leave_the_work_dir(sandbox):
+    with pytest.raises(SandboxError, match="leaves the work dir"):
+        await sandbox.run_code("pass", files={"../../escaped.py": "x"})
+    await still_serves(sandbox)
 
 
 async def test_cancelled_run_leaves_nothing_behind(sandbox):
