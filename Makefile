@@ -46,17 +46,21 @@ vllm: $(VLLM)
 
 # Two workers, one test at a time each: most of the slow tests wait on services and servers, so a
 # second worker fills that time (tests/conftest.py orders the tests for it).
-test: $(TEST) prometheus
+test: $(TEST) system-tools
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --maxschedchunk 1
 
-# Prometheus and promtool check the scrape config and every Grafana query on a real server
-# (tests/unit/test_metrics.py, tests/integration/test_metrics_endpoint.py).  Installed from the
-# distribution when this machine can (root with apt-get); elsewhere those tests skip, saying why.
-.PHONY: prometheus
-prometheus:
-	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
-	   >/dev/null) || echo "prometheus not installed: its tests will skip"; }
+# System tools some tests need, from the distribution where this machine can (root with apt-get),
+# in one apt-get call; elsewhere those tests skip, saying why.  Prometheus and promtool check the
+# scrape config and every Grafana query on a real server (tests/unit/test_metrics.py,
+# tests/integration/test_metrics_endpoint.py); bubblewrap isolates the code sandbox
+# (services/sandbox, tests/integration/test_sandbox.py, test_reward_integrity.py).
+.PHONY: system-tools
+system-tools:
+	@missing=""; command -v promtool >/dev/null || missing="$$missing prometheus"; \
+	command -v bwrap >/dev/null || missing="$$missing bubblewrap"; \
+	[ -z "$$missing" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing \
+	   >/dev/null) || echo "not installed:$$missing: the tests that need them will skip"; }
 
 test-fast: $(TEST)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"

@@ -1,0 +1,188 @@
+"""Sandbox containment: each escape attempt is contained AND the sandbox serves a normal run
+right after (the service that owns it keeps serving).  Real bubblewrap, real processes, small
+limits so each attempt ends in about a second.  Needs root (a uid per run) and bubblewrap."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from services.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSettings, probe
+from services.sandbox.sandbox import uid_processes
+
+ROOT = Path(__file__).resolve().parents[2]
+ISO = probe()
+pytestmark = pytest.mark.skipif(not (ISO.bwrap and ISO.separate_uid),
+                                reason="needs bubblewrap and root (apt-get install bubblewrap; run as root)")
+SMALL = SandboxLimits(wall_s=4, cpu_s=1, memory_mb=256, processes=16, file_size_mb=1, output_bytes=4096)
+UID_BASE = 61100  # apart from the default pool, so a concurrent test session's runs are not counted
+
+
+def leftovers(uids: range, wait_s: float = 5.0) -> list[int]:
+    """Processes of ``uids`` still there after ``wait_s`` (zombies of killed runs are reaped by the
+    host's init in its own time, so a short wait is part of the contract, not slack)."""
+    deadline = time.monotonic() + wait_s
+    while (found := [p for u in uids for p in uid_processes(u)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return found
+
+
+@pytest.fixture
+async def sandbox():
+    sb = Sandbox(SandboxSettings(uid_base=UID_BASE, max_concurrent=4, limits=SMALL))
+    yield sb
+    sb.close()
+    assert not leftovers(range(UID_BASE, UID_BASE + 4)), "a sandboxed process outlived its run"
+
+
+async def still_serves(sb: Sandbox) -> None:
+    ex = await sb.run_code("print(sum(range(10)))")
+    assert ex.ok and ex.stdout == b"45\n", (ex.exit_code, ex.stderr)
+
+
+async def test_normal_run_reports_full_isolation(sandbox):
+    ex = await sandbox.run_code("import sys; print(sys.stdin.read().upper()); sys.exit(3)", stdin=b"abc")
+    assert (ex.stdout, ex.exit_code, ex.limit_hit) == (b"ABC\n", 3, None)
+    assert ex.isolation.describe() == "full isolation"
+    assert ex.isolation.network_isolated and ex.isolation.filesystem_isolated and ex.isolation.separate_uid
+
+
+async def test_network_connect_refused(sandbox):
+    # A real listener on the host's loopback: the sandbox's loopback is its own, so nothing arrives.
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    try:
+        code = (f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 80)]:\n"
+                "    try:\n        socket.create_connection(addr, timeout=2); print('connected', addr)\n"
+                "    except OSError as e:\n        print('refused', e.errno)\n")
+        ex = await sandbox.run_code(code)
+        assert b"connected" not in ex.stdout and ex.stdout.count(b"refused") == 2, ex.stdout
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    finally:
+        server.close()
+    await still_serves(sandbox)
+
+
+async def test_fork_bomb(sandbox):
+    t0 = time.monotonic()
+    ex = await sandbox.run_code("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    assert not ex.ok and time.monotonic() - t0 < SMALL.wall_s + 3
+    await still_serves(sandbox)
+
+
+async def test_memory_bomb(sandbox):
+    ex = await sandbox.run_code("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))")
+    assert ex.limit_hit == "memory" and ex.exit_code == 1, (ex.limit_hit, ex.stderr[-200:])
+    await still_serves(sandbox)
+
+
+async def test_cpu_loop_killed_by_cpu_limit(sandbox):
+    # A wall clock well past the CPU limit: two shared cores may give the loop half a core.
+    ex = await sandbox.run_code("while True:\n    pass", limits=SMALL.model_copy(update={"wall_s": 15}))
+    assert ex.limit_hit == "cpu" and ex.exit_code is None and ex.cpu_s >= SMALL.cpu_s * 0.75, (ex.cpu_s, ex.wall_s)
+    await still_serves(sandbox)
+
+
+async def test_sleeping_group_killed_by_wall_clock(sandbox):
+    # A child in its own session outlives the group kill unless the uid kill reaches it.
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(600)\ntime.sleep(600)"
+    ex = await sandbox.run_code(code)
+    assert ex.limit_hit == "wall" and SMALL.wall_s <= ex.wall_s < SMALL.wall_s + 3
+    await still_serves(sandbox)
+
+
+async def test_huge_output_capped_without_blocking(sandbox):
+    ex = await sandbox.run_code("import os\nwhile True:\n    os.write(1, b'x' * 65536)\n    os.write(2, b'y' * 65536)")
+    assert ex.limit_hit == "output" and ex.stdout_truncated
+    assert len(ex.stdout) == SMALL.output_bytes and len(ex.stderr) <= SMALL.output_bytes
+    await still_serves(sandbox)
+
+
+async def test_large_file_stopped_by_file_size_limit(sandbox):
+    ex = await sandbox.run_code("open('big', 'wb').write(b'x' * (4 << 20))")
+    assert ex.limit_hit == "file_size", ex.stderr[-200:]
+    await still_serves(sandbox)
+
+
+async def test_writes_outside_work_dir_do_not_reach_host(sandbox, tmp_path):
+    target = tmp_path / "escaped"
+    code = ("import os\nfor p in ['/usr/escaped', '/escaped', {!r}, '/tmp/escaped', {!r}]:\n"
+            "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n"
+            "    except OSError as e:\n        print('denied', p, e.errno)\n").format(str(target), str(ROOT / "escaped"))
+    ex = await sandbox.run_code(code)
+    assert ex.exit_code == 0, ex.stderr
+    # Only the private /tmp (a tmpfs that vanishes with the run) accepted the write.
+    assert b"wrote /tmp/escaped" in ex.stdout and ex.stdout.count(b"wrote") == 1, ex.stdout
+    assert not target.exists() and not (ROOT / "escaped").exists() and not Path("/tmp/escaped").exists()
+    await still_serves(sandbox)
+
+
+async def test_cannot_read_hidden_files_repo_or_etc(sandbox, tmp_path):
+    hidden = tmp_path / "hidden_tests.json"
+    hidden.write_text('{"secret": "expected-7f3a"}')
+    paths = [str(hidden), str(ROOT / "README.md"), "/etc/shadow", "/etc/passwd", "/root", str(sandbox.root)]
+    code = f"import os\nfor p in {paths!r}:\n    print(p, os.path.exists(p))\n"
+    ex = await sandbox.run_code(code)
+    assert ex.exit_code == 0 and ex.stdout.count(b" False") == len(paths), ex.stdout
+    await still_serves(sandbox)
+
+
+async def test_killing_the_parent_leaves_the_service_alive(sandbox):
+    code = ("import os, signal\nfor pid in (os.getppid(), -1, 1):\n"
+            "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\nprint('still here')")
+    ex = await sandbox.run_code(code)
+    assert ex.exit_code in (0, None)  # kill(-1) may take the program down with everything else of its uid
+    os.kill(os.getpid(), 0)
+    await still_serves(sandbox)
+
+
+async def test_runs_are_concurrent(sandbox):
+    # A run stuck on the wall clock does not hold the event loop: quick runs finish meanwhile.
+    slow = asyncio.create_task(sandbox.run_code("import time; time.sleep(600)"))
+    t0 = time.monotonic()
+    quick = await asyncio.gather(*(sandbox.run_code(f"print({i})") for i in range(3)))
+    assert [q.stdout for q in quick] == [b"0\n", b"1\n", b"2\n"]
+    assert time.monotonic() - t0 < SMALL.wall_s and not slow.done()
+    assert (await slow).limit_hit == "wall"
+
+
+async def test_file_names_cannot_leave_the_work_dir(sandbox):
+    with pytest.raises(SandboxError, match="leaves the work dir"):
+        await sandbox.run_code("pass", files={"../../escaped.py": "x"})
+    await still_serves(sandbox)
+
+
+async def test_cancelled_run_leaves_nothing_behind(sandbox):
+    # A service shutting down cancels its runs: the program (which never reads its stdin) dies with them.
+    run = asyncio.create_task(sandbox.run_code("import time; time.sleep(600)", stdin=b"x" * (1 << 20)))
+    await asyncio.sleep(0.5)
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert not leftovers(range(UID_BASE, UID_BASE + 4))
+    await still_serves(sandbox)
+
+
+async def test_fallback_without_bwrap_says_what_it_lacks(tmp_path):
+    sb = Sandbox(SandboxSettings(uid_base=UID_BASE + 8, max_concurrent=1, limits=SMALL), use_bwrap=False)
+    try:
+        assert not sb.isolation.filesystem_isolated and "file-system isolation" in sb.isolation.describe()
+        ex = await sb.run_code("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
+                               "except OSError as e:\n    print('refused', e.errno)")
+        assert b"refused" in ex.stdout and ex.isolation.network_isolated  # `unshare -n` still here
+        no_net = Sandbox(SandboxSettings(uid_base=UID_BASE + 9, max_concurrent=1, limits=SMALL),
+                         use_bwrap=False, use_netns=False)
+        ex = await no_net.run_code("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)")
+        no_net.close()
+        assert b"network access is refused" in ex.stderr and "audit hook" in ex.isolation.describe()
+    finally:
+        sb.close()
