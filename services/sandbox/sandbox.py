@@ -23,6 +23,7 @@ Nothing here is silently weaker: ``probe()`` reports what this machine gives.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import resource
 import shutil
@@ -68,7 +69,12 @@ class SandboxSettings(Settings):
         "Interpreter for `code` runs; must live under /usr so it is visible inside the sandbox."))
     uid_base: int = Field(61000, ge=1000, le=2**31 - 2**16, description=(
         "First uid of the pool; each concurrent execution runs under its own uid (root only)."))
-    max_concurrent: int = Field(4, ge=1, le=1024, description="Executions at once (the uid pool's size).")
+    max_concurrent: int = Field(4, ge=1, le=1024, description="Executions at once in this process.")
+    uid_span: int = Field(1024, ge=1, le=65536, description=(
+        "Uids of the pool from uid_base, shared by every sandbox on the host: each run leases one through a "
+        "lock file (uid_lock_dir), so two services (or replicas) never run programs under the same uid."))
+    uid_lock_dir: str = Field("", description=(
+        "Host-wide folder of the uid leases; empty: /run/rlbus-sandbox as root, else <temp dir>/rlbus-sandbox."))
     root_dir: str = Field("", description="Where run dirs are made; empty: the system temp dir.")
     require_bwrap: bool = Field(False, description=(
         "Refuse to run (SandboxError) when bubblewrap is missing, instead of the weaker fallback."))
@@ -241,10 +247,9 @@ class Sandbox:
                                "here: install it (apt-get install bubblewrap) or set require_bwrap = false")
         self.root = Path(self.settings.root_dir or tempfile.gettempdir()) / f"rlbus-sandbox-{os.getpid()}"
         self.root.mkdir(mode=0o711, parents=True, exist_ok=True)
-        self._uids: asyncio.Queue[int] = asyncio.Queue()
+        self._slots = asyncio.Semaphore(self.settings.max_concurrent)
+        self._leases = UidLeases(self.settings) if self.isolation.separate_uid else None
         self._resting: set[asyncio.Task] = set()
-        for i in range(self.settings.max_concurrent):
-            self._uids.put_nowait(self.settings.uid_base + i if self.isolation.separate_uid else os.getuid())
 
     async def run_code(self, code: str, **kw) -> Execution:
         """Run a Python program given as source (saved as ``main.py`` in the work dir)."""
@@ -258,7 +263,8 @@ class Sandbox:
         """Run ``argv`` in a fresh work dir holding ``files``; ``ro_files`` maps absolute paths inside the
         sandbox to host files bound read-only (bwrap only; without it they are read from the host path)."""
         lim = limits or self.settings.limits
-        uid = await self._uids.get()
+        await self._slots.acquire()
+        uid = await self._leases.take() if self._leases is not None else os.getuid()
         run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=self.root))
         try:
             os.chmod(run_dir, 0o711)
@@ -285,13 +291,20 @@ class Sandbox:
                 self._resting.add(task)
                 task.add_done_callback(self._resting.discard)
             else:
-                self._uids.put_nowait(uid)
+                self._give_back(uid)
+
+    def _give_back(self, uid: int) -> None:
+        if self._leases is not None:
+            self._leases.release(uid)
+        self._slots.release()
 
     async def _rest(self, uid: int, deadline_s: float = 30.0) -> None:
-        t0 = time.monotonic()
-        while uid_processes(uid) and time.monotonic() - t0 < deadline_s:
-            await asyncio.sleep(0.1)
-        self._uids.put_nowait(uid)  # past the deadline a stuck zombie costs one slot of its budget, not a uid
+        try:
+            t0 = time.monotonic()
+            while uid_processes(uid) and time.monotonic() - t0 < deadline_s:
+                await asyncio.sleep(0.1)
+        finally:
+            self._give_back(uid)  # past the deadline a stuck zombie costs one slot of its budget, not a uid
 
     def _argv(self, argv: list[str], work: Path, ro_files: dict[str, Path], uid: int) -> list[str]:
         if self.isolation.bwrap:
@@ -307,6 +320,56 @@ class Sandbox:
         for task in self._resting:
             task.cancel()
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class UidLeases:
+    """The uids of executions, leased host-wide: a uid is this process's while it holds an
+    exclusive lock on ``<lock dir>/uid-<n>.lock``.  Every process running a sandbox on the host
+    (two environment replicas, two test workers) draws from the same pool, and a run's uid is
+    what its leftovers are killed by, so a uid shared by two live runs would let one kill the
+    other's programs.  The kernel drops a lock when its holder dies, so a crashed service leaks
+    no uid; what the crashed run left behind is killed when the uid is next leased."""
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        self.base, self.span = settings.uid_base, settings.uid_span
+        default = Path("/run/rlbus-sandbox") if os.geteuid() == 0 else Path(tempfile.gettempdir()) / "rlbus-sandbox"
+        self.dir = Path(settings.uid_lock_dir) if settings.uid_lock_dir else default
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._held: dict[int, int] = {}  # uid -> fd of its lock
+        self._next = 0
+
+    async def take(self) -> int:
+        while True:
+            for _ in range(self.span):
+                uid = self.base + self._next
+                self._next = (self._next + 1) % self.span
+                if uid not in self._held and self._lock(uid):
+                    if uid_processes(uid):  # a dead holder's leftovers: they die, the uid rests
+                        _kill_uid(uid)
+                        self.release(uid)
+                        continue
+                    return uid
+            await asyncio.sleep(0.1)  # every uid of the pool is leased: wait for one
+
+    def _lock(self, uid: int) -> bool:
+        fd = os.open(self.dir / f"uid-{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._held[uid] = fd
+        return True
+
+    def release(self, uid: int) -> None:
+        fd = self._held.pop(uid, None)
+        if fd is not None:
+            os.close(fd)  # closing drops the lock
+
+
+def _kill_uid(uid: int) -> None:
+    # kill(-1) from the run's own uid reaches every process it owns, in any namespace.
+    subprocess.run(["kill", "-KILL", "-1"], user=uid, group=uid, extra_groups=[], capture_output=True, timeout=10)
 
 
 class _Run:
@@ -425,9 +488,7 @@ class _Run:
 
     def _kill_leftovers(self) -> None:
         if self.isolation.separate_uid:
-            # kill(-1) from the run's own uid reaches every process it owns, in any namespace.
-            subprocess.run(["kill", "-KILL", "-1"], user=self.uid, group=self.uid, extra_groups=[],
-                           capture_output=True, timeout=10)
+            _kill_uid(self.uid)
 
     def _execution(self, status: int, rusage: resource.struct_rusage, pipes: tuple[_Pipe, _Pipe],
                    wall: float) -> Execution:

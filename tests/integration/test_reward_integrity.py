@@ -5,6 +5,7 @@ Each submission is a *wrong* solution plus a hack: the hack must not lift it abo
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
@@ -22,7 +23,9 @@ WRONG = "def add(a, b):\n    return 0\ndef tag():\n    return ''\n"
 
 @pytest.fixture
 async def checker():
-    sb = Sandbox(SandboxSettings(uid_base=61300, max_concurrent=2))
+    # One uid range per test worker, apart from test_sandbox.py's (pytest -n runs tests of a file on both).
+    base = 61300 + 32 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    sb = Sandbox(SandboxSettings(uid_base=base, uid_span=8, max_concurrent=2))
     yield HiddenTestChecker(sb)
     sb.close()
 

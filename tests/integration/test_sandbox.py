@@ -13,14 +13,17 @@ from pathlib import Path
 import pytest
 
 from services.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSettings, probe
-from services.sandbox.sandbox import uid_processes
+from services.sandbox.sandbox import UidLeases, uid_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 ISO = probe()
 pytestmark = pytest.mark.skipif(not (ISO.bwrap and ISO.separate_uid),
                                 reason="needs bubblewrap and root (apt-get install bubblewrap; run as root)")
 SMALL = SandboxLimits(wall_s=4, cpu_s=1, memory_mb=256, processes=16, file_size_mb=1, output_bytes=4096)
-UID_BASE = 61100  # apart from the default pool, so a concurrent test session's runs are not counted
+# Apart from the default pool, and one range per test worker (pytest -n runs this file's tests on
+# both workers at once): the leftover checks below look at this worker's uids only.
+UID_BASE = 61100 + 32 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+UID_SPAN = 8
 
 
 def leftovers(uids: range, wait_s: float = 5.0) -> list[int]:
@@ -34,10 +37,10 @@ def leftovers(uids: range, wait_s: float = 5.0) -> list[int]:
 
 @pytest.fixture
 async def sandbox():
-    sb = Sandbox(SandboxSettings(uid_base=UID_BASE, max_concurrent=4, limits=SMALL))
+    sb = Sandbox(SandboxSettings(uid_base=UID_BASE, uid_span=UID_SPAN, max_concurrent=4, limits=SMALL))
     yield sb
     sb.close()
-    assert not leftovers(range(UID_BASE, UID_BASE + 4)), "a sandboxed process outlived its run"
+    assert not leftovers(range(UID_BASE, UID_BASE + UID_SPAN)), "a sandboxed process outlived its run"
 
 
 async def still_serves(sb: Sandbox) -> None:
@@ -168,21 +171,39 @@ async def test_cancelled_run_leaves_nothing_behind(sandbox):
     run.cancel()
     with pytest.raises(asyncio.CancelledError):
         await run
-    assert not leftovers(range(UID_BASE, UID_BASE + 4))
+    assert not leftovers(range(UID_BASE, UID_BASE + UID_SPAN))
     await still_serves(sandbox)
 
 
 async def test_fallback_without_bwrap_says_what_it_lacks(tmp_path):
-    sb = Sandbox(SandboxSettings(uid_base=UID_BASE + 8, max_concurrent=1, limits=SMALL), use_bwrap=False)
+    sb = Sandbox(SandboxSettings(uid_base=UID_BASE + UID_SPAN, uid_span=1, max_concurrent=1, limits=SMALL), use_bwrap=False)
     try:
         assert not sb.isolation.filesystem_isolated and "file-system isolation" in sb.isolation.describe()
         ex = await sb.run_code("import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
                                "except OSError as e:\n    print('refused', e.errno)")
         assert b"refused" in ex.stdout and ex.isolation.network_isolated  # `unshare -n` still here
-        no_net = Sandbox(SandboxSettings(uid_base=UID_BASE + 9, max_concurrent=1, limits=SMALL),
+        no_net = Sandbox(SandboxSettings(uid_base=UID_BASE + UID_SPAN + 1, uid_span=1, max_concurrent=1, limits=SMALL),
                          use_bwrap=False, use_netns=False)
         ex = await no_net.run_code("import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)")
         no_net.close()
         assert b"network access is refused" in ex.stderr and "audit hook" in ex.isolation.describe()
     finally:
         sb.close()
+
+
+async def test_two_sandboxes_on_one_host_never_share_a_uid(tmp_path):
+    """Two services (or test workers) each with a sandbox on one host: a run's leftovers are
+    killed by its uid, so a uid leased to both would let one kill the other's programs (seen when
+    two test workers ran this file at once).  Leases are host-wide lock files, dropped with the
+    process that held them."""
+    settings = SandboxSettings(uid_base=UID_BASE + UID_SPAN + 2, uid_span=2, uid_lock_dir=str(tmp_path))
+    a, b = UidLeases(settings), UidLeases(settings)
+    first, second = await a.take(), await b.take()
+    assert first != second
+    waiting = asyncio.create_task(b.take())  # the pool of two is spent: the next lease waits
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    a.release(first)
+    assert await asyncio.wait_for(waiting, 5) == first
+    b.release(first)
+    b.release(second)
