@@ -117,7 +117,9 @@ class Consumer:
         self.acked_at: list[float] = []
 
     async def run(self, total: int) -> None:
-        while len(set(self.acked)) < total:
+        """Until every task is acked and TASKS is empty: an ack that died with the killed leader
+        leaves its task stored, and it comes back after ack_wait to be acked again (counted)."""
+        while len(set(self.acked)) < total or await self.tasks_left():
             try:
                 batch: list[Delivery[Task]] = await self.puller.fetch(10, timeout=1.0)
             except Exception as exc:  # noqa: BLE001 - the failover may fail a pull; the next one goes on
@@ -130,6 +132,14 @@ class Consumer:
                 await d.ack()
                 self.acked.append(d.msg_id)
                 self.acked_at.append(time.monotonic())
+
+
+    async def tasks_left(self) -> int:
+        try:
+            info = await self.bus.connection.js.stream_info(self.bus.subjects.stream("TASKS"))
+        except Exception:  # noqa: BLE001 - mid-failover; ask again on the next turn
+            return 1
+        return int(info.state.messages)
 
 
 def longest_gap(times: list[float], around: float) -> float:
