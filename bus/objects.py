@@ -360,11 +360,7 @@ class JetStreamObjectStore:
                 if not inbox.buffer:
                     await inbox.wait(1.0)
         finally:
-            await inbox.stop()
-            try:
-                await self._js.delete_consumer(self.stream, consumer)
-            except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
-                pass
+            await self._end_reader(inbox, consumer)
         actual = await hasher.hexdigest()
         if actual != expected:
             raise DigestMismatch(name, expected or "<none recorded>", actual)
@@ -435,12 +431,16 @@ class JetStreamObjectStore:
                         out.append(entry)
                 pending = msgs[-1].metadata.num_pending
         finally:
-            await inbox.stop()
-            try:
-                await self._js.delete_consumer(self.stream, consumer)
-            except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
-                pass
+            await self._end_reader(inbox, consumer)
         return out
+
+    async def _end_reader(self, inbox: PullInbox, consumer: str) -> None:
+        """Stop a chunk or metadata reader and drop its ephemeral consumer."""
+        await inbox.stop()
+        try:
+            await self._js.delete_consumer(self.stream, consumer)
+        except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
+            pass
 
     @staticmethod
     def _entry_of(msg: Any) -> StoredObject | None:

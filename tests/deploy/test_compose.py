@@ -141,14 +141,19 @@ def test_every_rlbus_service_loads_its_config_with_its_environment(
     assert len(set(pairs)) == len(pairs), f"two services share a role and instance: {instances}"
 
 
+def node_config(svc: dict[str, Any], mounts: dict[str, Path]) -> tuple[str, Path]:
+    """The folder in the container of the config a nats node's ``-c`` names, and its host file
+    through the bind mount (``mounts``: ``host_mounts(svc)``) that holds it."""
+    conf = svc["command"][svc["command"].index("-c") + 1]
+    target = next(t for t in mounts if conf.startswith(t + "/"))
+    return target, mounts[target] / conf[len(target) + 1:]
+
+
 def test_nats_nodes_run_the_cluster_config() -> None:
     services = load_compose("compose.yaml")["services"]
     for n in ("nats-1", "nats-2", "nats-3"):
         svc = services[n]
-        conf = svc["command"][svc["command"].index("-c") + 1]
-        mounts = host_mounts(svc)
-        target = next(t for t in mounts if conf.startswith(t + "/"))
-        text = (mounts[target] / conf[len(target) + 1:]).read_text()
+        text = node_config(svc, host_mounts(svc))[1].read_text()
         assert "$NATS_NAME" in text and svc["environment"]["NATS_NAME"] == n
         routes = re.findall(r"nats://(nats-\d):6222", text)
         assert sorted(routes) == ["nats-1", "nats-2", "nats-3"], routes
@@ -219,10 +224,8 @@ def test_nats_nodes_use_the_generated_users_and_fail_without_them() -> None:
     services = load_compose("compose.yaml")["services"]
     for n in ("nats-1", "nats-2", "nats-3"):
         svc = services[n]
-        conf = svc["command"][svc["command"].index("-c") + 1]
         mounts = host_mounts(svc)
-        conf_dir = next(t for t in mounts if conf.startswith(t + "/"))
-        host_conf = mounts[conf_dir] / conf[len(conf_dir) + 1:]
+        conf_dir, host_conf = node_config(svc, mounts)
         includes = _included(host_conf)
         assert [p.name for p in includes] == ["auth.conf"], f"{n}: {host_conf.name} includes {includes}"
         in_container = f"{conf_dir}/{includes[0].relative_to(host_conf.parent)}"

@@ -64,3 +64,26 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, interv
             if result:
                 return
             await asyncio.sleep(interval)
+
+
+@contextlib.asynccontextmanager
+async def broadcast_running(bus: Any, run: str, run_dir: Any) -> AsyncIterator[Any]:
+    """A weight-broadcast service on ``bus`` (object-store transport) running its loops until the
+    block ends; yields the service (its ``b`` is the Broadcaster)."""
+    from services.broadcast.service import Broadcaster, BroadcastService
+    from services.broadcast.settings import BroadcastSettings
+    from services.runtime.config import RunSettings
+    from services.runtime.lifecycle import Lifecycle, run_until_stopped
+    from services.runtime.weights import ObjectStoreTransport
+
+    cfg = BroadcastSettings()
+    life = Lifecycle(grace=2.0)
+    service = BroadcastService(RunSettings(run=run, run_dir=str(run_dir)), cfg, bus=bus, life=life,
+                               broadcaster=Broadcaster(ObjectStoreTransport(bus), cfg))
+    task = asyncio.create_task(run_until_stopped(life, *service.workers()))
+    try:
+        yield service
+    finally:
+        life.shutdown()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 30)

@@ -4,7 +4,6 @@ weight-broadcast) and the max-deliveries advisories followed per durable, not pe
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import json
 from typing import Any
@@ -18,7 +17,7 @@ from bus.retention import Retention
 from bus.streams import LEGACY_ADVISORY_DURABLE, NotFoundError, api
 from schemas import Shard, Task, WeightManifest
 from tests.conftest import BUS_TEST_OPTIONS
-from tests.integration.helpers import dead_letters, eventually, task_spec
+from tests.integration.helpers import broadcast_running, dead_letters, eventually, task_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -53,12 +52,6 @@ async def test_a_full_uploads_queue_refuses_the_new_upload_and_keeps_the_queued_
 
 
 async def test_weight_broadcast_acks_every_upload_away_verified_or_refused(bus, run_name, tmp_path):
-    from services.broadcast.service import Broadcaster, BroadcastService
-    from services.broadcast.settings import BroadcastSettings
-    from services.runtime.config import RunSettings
-    from services.runtime.lifecycle import Lifecycle, run_until_stopped
-    from services.runtime.weights import ObjectStoreTransport
-
     s = bus.subjects
     data = b"safetensors bytes of v1"
     await bus.objects.put("weights/policy/v1/model.safetensors", data)
@@ -66,19 +59,10 @@ async def test_weight_broadcast_acks_every_upload_away_verified_or_refused(bus, 
     forged = [manifest(v, f"weights/policy/forged{v}", b"%d" % v) for v in range(2, 40)]
     await bus.publish_many([(s.weight_uploads("policy"), m.encode(), m.msg_id) for m in [good, *forged]])
     assert await messages(bus, "UPLOADS") == 1 + len(forged)
-    cfg = BroadcastSettings()
-    life = Lifecycle(grace=2.0)
-    service = BroadcastService(RunSettings(run=run_name, run_dir=str(tmp_path)), cfg, bus=bus, life=life,
-                               broadcaster=Broadcaster(ObjectStoreTransport(bus), cfg))
-    task = asyncio.create_task(run_until_stopped(life, *service.workers()))
-    try:
+    async with broadcast_running(bus, run_name, tmp_path) as service:
         await eventually(lambda: service.b.latest == 1 and service.b.refused == len(forged), timeout=60)
         # The work queue is emptied by the acks: nothing left for a replay, nothing pending.
         await eventually(_empty(bus), timeout=20)
-    finally:
-        life.shutdown()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
     info = await bus.connection.js.consumer_info(s.stream("UPLOADS"), s.durable("broadcast"))
     assert (info.num_pending, info.num_ack_pending) == (0, 0)
     letters = await dead_letters(bus, len(forged), timeout=30)

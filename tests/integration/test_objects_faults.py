@@ -53,17 +53,10 @@ async def test_a_valid_upload_outlives_a_burst_of_forged_ones_and_is_published(b
     """F11 + F6 on a real server: uploads published before weight-broadcast reads any of them are all
     kept (the WEIGHTS per-subject limit once discarded the oldest past 8), each forged one is refused
     on its first delivery, and the valid one is published."""
-    import asyncio
-    import contextlib
     import hashlib
 
     from schemas import DeadLetter, Shard, WeightManifest
-    from services.broadcast.service import Broadcaster, BroadcastService
-    from services.broadcast.settings import BroadcastSettings
-    from services.runtime.config import RunSettings
-    from services.runtime.lifecycle import Lifecycle, run_until_stopped
-    from services.runtime.weights import ObjectStoreTransport
-    from tests.integration.helpers import dead_letters, eventually
+    from tests.integration.helpers import broadcast_running, dead_letters, eventually
 
     s = bus.subjects
     data = b"safetensors bytes of v1"
@@ -77,17 +70,8 @@ async def test_a_valid_upload_outlives_a_burst_of_forged_ones_and_is_published(b
     # The valid upload first, then more forged ones than the old per-subject limit kept.
     await bus.publish_many([(s.weight_uploads("policy"), m.encode(), f"{m.msg_id}.{i}")
                             for i, m in enumerate([good, *forged])])
-    cfg = BroadcastSettings()
-    life = Lifecycle(grace=2.0)
-    service = BroadcastService(RunSettings(run=run_name, run_dir=str(tmp_path)), cfg, bus=bus, life=life,
-                               broadcaster=Broadcaster(ObjectStoreTransport(bus), cfg))
-    task = asyncio.create_task(run_until_stopped(life, *service.workers()))
-    try:
+    async with broadcast_running(bus, run_name, tmp_path) as service:
         await eventually(lambda: service.b.latest == 1 and service.b.refused == len(forged), timeout=60)
-    finally:
-        life.shutdown()
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(task, 30)
     assert WeightManifest.decode(await bus.last(s.weights("policy"))).version == 1
     letters: list[DeadLetter] = await dead_letters(bus, len(forged), timeout=30)
     assert all(d.deliveries == 1 and "is missing" in d.reason for d in letters), letters[0]

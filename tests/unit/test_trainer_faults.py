@@ -273,14 +273,20 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one_with_its_own
     assert again is not None and again.step == 3 and dict(again.consumed) == {"a": "train", "c": "train"}
 
 
-def test_drops_given_to_the_fallback_survive_a_torn_append_and_a_damaged_line_sets_it_aside(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
+def _two_checkpoints(root: Path) -> tuple[torch.nn.Module, torch.optim.Optimizer, checkpoint.TrainerState]:
+    """Steps 1 and 2 checkpointed (t0, then t1 trained): a newest checkpoint and its fallback."""
     model, opt = _model(1.0)
     state = checkpoint.TrainerState(step=1, version=1, consumed=Ledger({"t0": "train"}))
     checkpoint.save(root, model, opt, state, keep=2)
     state.step = state.version = 2
     state.consumed["t1"] = "train"
     checkpoint.save(root, model, opt, state, keep=2)
+    return model, opt, state
+
+
+def test_drops_given_to_the_fallback_survive_a_torn_append_and_a_damaged_line_sets_it_aside(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    model, opt, state = _two_checkpoints(root)
     for gid in ("f0", "f1"):
         state.consumed.setdefault(gid, "filtered")
         assert checkpoint.save_ledger(root, model, opt, state, keep=2, dropped={gid: "filtered"})  # both have it
@@ -363,12 +369,7 @@ def test_ledger_only_saves_compact_too_and_give_the_fallback_the_drops_but_never
 
     monkeypatch.setattr(ledger, "MIN_COMPACT", 64)  # compact at once, whenever the journal outgrows the base
     root = tmp_path / "ckpt"
-    model, opt = _model(1.0)
-    state = checkpoint.TrainerState(step=1, version=1, consumed=Ledger({"t0": "train"}))
-    checkpoint.save(root, model, opt, state, keep=2)
-    state.step = state.version = 2
-    state.consumed["t1"] = "train"
-    checkpoint.save(root, model, opt, state, keep=2)
+    model, opt, state = _two_checkpoints(root)
     state.step = state.version = 3  # step 3 trained, not checkpointed: its group is no drop
     state.consumed["t2"] = "train"
     expected = {"t0": "train", "t1": "train"}
