@@ -131,19 +131,21 @@ def _try(argv: list[str], as_uid: int | None) -> bool:
     return r.returncode == 0
 
 
-def _probe_uid() -> int | None:
-    # Probe as the uid runs will use: unprivileged bwrap needs user namespaces, root does not.
-    return SandboxSettings().uid_base if os.geteuid() == 0 else None
-
-
 def _can_bwrap() -> bool:
     if shutil.which("bwrap") is None:
         return False
-    with tempfile.TemporaryDirectory() as work:
-        uid = _probe_uid()
-        if uid is not None:
-            os.chown(work, uid, uid)
-        return _try(_bwrap_argv(Path(work), {}) + ["/usr/bin/true"], uid)
+    # Probe as a run would, under a leased uid of the pool (unprivileged bwrap needs user namespaces,
+    # root does not): an unleased uid may be a live run's, whose process limit the probe would eat.
+    leases = UidLeases(SandboxSettings()) if os.geteuid() == 0 else None
+    uid = leases.take_now() if leases is not None else None
+    try:
+        with tempfile.TemporaryDirectory() as work:
+            if uid is not None:
+                os.chown(work, uid, uid)
+            return _try(_bwrap_argv(Path(work), {}) + ["/usr/bin/true"], uid)
+    finally:
+        if leases is not None and uid is not None:
+            leases.release(uid)
 
 
 def _can_unshare_net() -> bool:
@@ -339,17 +341,22 @@ class UidLeases:
         self._next = 0
 
     async def take(self) -> int:
-        while True:
-            for _ in range(self.span):
-                uid = self.base + self._next
-                self._next = (self._next + 1) % self.span
-                if uid not in self._held and self._lock(uid):
-                    if uid_processes(uid):  # a dead holder's leftovers: they die, the uid rests
-                        _kill_uid(uid)
-                        self.release(uid)
-                        continue
-                    return uid
+        while (uid := self.take_now()) is None:
             await asyncio.sleep(0.1)  # every uid of the pool is leased: wait for one
+        return uid
+
+    def take_now(self) -> int | None:
+        """A uid no one on the host holds, or None when every uid of the pool is leased."""
+        for _ in range(self.span):
+            uid = self.base + self._next
+            self._next = (self._next + 1) % self.span
+            if uid not in self._held and self._lock(uid):
+                if uid_processes(uid):  # a dead holder's leftovers: they die, the uid rests
+                    _kill_uid(uid)
+                    self.release(uid)
+                    continue
+                return uid
+        return None
 
     def _lock(self, uid: int) -> bool:
         fd = os.open(self.dir / f"uid-{uid}.lock", os.O_CREAT | os.O_RDWR, 0o600)
