@@ -97,6 +97,15 @@ class Subjects:
             raise SubjectError(f"environment op {op!r} must be one of {', '.join(ENV_OPS)}")
         return f"{self.root}.env.{_token('env', name)}.{op}"
 
+    def env_step(self, name: str, replica: str) -> str:
+        """The step subject of one environment replica: an episode's steps go to the replica that
+        holds its state (``EnvReply.replica`` of its reset)."""
+        return f"{self.root}.env.{_token('env', name)}.step.{_token('replica', replica)}"
+
+    def env_step_of(self, replica: str) -> str:
+        """Every environment's step subject of one replica (what that replica subscribes to)."""
+        return f"{self.root}.env.*.step.{_token('replica', replica)}"
+
     def env_any(self, op: str) -> str:
         """Every environment's ``op`` subject: the environment service answers unknown names too,
         with an error that lists the registered ones."""

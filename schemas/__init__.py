@@ -16,11 +16,11 @@ from schemas.control import (
 )
 from schemas.env import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep
 from schemas.rollout import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, spans_from_versions
-from schemas.task import SamplingParams, Task
+from schemas.task import EpisodeLimits, SamplingParams, Task
 from schemas.weights import Shard, TensorMeta, WeightManifest
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
-    SamplingParams, Task, Rollout, RolloutGroup, ScoredRollout, ScoredGroup, TensorMeta, Shard,
+    SamplingParams, EpisodeLimits, Task, Rollout, RolloutGroup, ScoredRollout, ScoredGroup, TensorMeta, Shard,
     WeightManifest, Admit, AssignPools, Concurrency, Evaluate, RunState, SetMix, Control, Heartbeat, DeadLetter,
     EnvReset, EnvStep, EnvReply, EnvResetBatch, EnvReplyBatch,
 )

@@ -41,10 +41,12 @@ class Rollout(Message):
     loss_mask: U8 = field(default_factory=lambda: _empty("|u1"))
     behaviour_logprobs: F32 = field(default_factory=lambda: _empty("<f4"))
     version_spans: I64_SPANS = field(default_factory=lambda: _empty("<i8", 2))
-    finish_reason: str = "stop"
+    finish_reason: str = "stop"  # one of schemas.env.EPISODE_ENDS
     text: str = ""  # decoded completion, for verifiers and humans
     generator_id: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+    turns: int = 1  # policy turns in the episode
+    env_error: str = ""  # an environment failure ended the episode: excluded from the loss, never rewarded 0
 
     def validate(self) -> None:
         n = len(self.token_ids) - self.prompt_len

@@ -53,6 +53,27 @@ class SamplingParams(Message):
 
 
 @dataclass(frozen=True)
+class EpisodeLimits(Message):
+    """Bounds of one episode (every sample of a task is its own episode).  Hitting one ends the
+    episode with that limit as its finish reason (``schemas.env.EPISODE_ENDS``); single-turn
+    environments end after the first completion whatever these say."""
+
+    KIND = "episode_limits"
+    max_turns: int = 8  # policy turns
+    max_total_tokens: int = 0  # prompt + every turn's policy and observation tokens; 0: the model's context
+    max_tool_s: float = 30.0  # tool time the environment may spend on the episode, summed over its steps
+
+    def validate(self) -> None:
+        if not 1 <= self.max_turns <= 256:
+            raise invalid(self, "max_turns", "must be in [1, 256]", got=str(self.max_turns))
+        if self.max_total_tokens < 0:
+            raise invalid(self, "max_total_tokens", "must be >= 0 (0: the model's context)",
+                          got=str(self.max_total_tokens))
+        if not (math.isfinite(self.max_tool_s) and 0.0 < self.max_tool_s <= 3600.0):
+            raise invalid(self, "max_tool_s", "must be in (0, 3600] seconds", got=str(self.max_tool_s))
+
+
+@dataclass(frozen=True)
 class Task(Message):
     """One prompt to be sampled ``group_size`` times.
 
@@ -73,6 +94,7 @@ class Task(Message):
     group_size: int = 8
     sampling: SamplingParams = field(default_factory=SamplingParams)
     metadata: dict[str, Any] = field(default_factory=dict)
+    limits: EpisodeLimits = field(default_factory=EpisodeLimits)
     eval: bool = False  # held-out evaluation: scored and reported, never trained on
 
     def validate(self) -> None:

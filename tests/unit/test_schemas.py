@@ -31,6 +31,7 @@ from schemas import (
     EnvReset,
     EnvResetBatch,
     EnvStep,
+    EpisodeLimits,
     Evaluate,
     Heartbeat,
     Message,
@@ -91,6 +92,7 @@ def shard() -> Shard:
 
 SAMPLES: dict[type[Message], object] = {
     SamplingParams: sampling,
+    EpisodeLimits: lambda: EpisodeLimits(max_turns=4, max_total_tokens=512, max_tool_s=2.5),
     Task: task,
     Rollout: rollout,
     RolloutGroup: lambda: RolloutGroup(task=task(), rollouts=[rollout(0), rollout(1, text="578")],
