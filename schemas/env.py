@@ -2,10 +2,14 @@
 
 An episode is one token sequence: the prompt (``reset``'s observation), then policy turns and the
 observations the environment answers them with (``step``), appended as ids and never re-tokenised.
-Every sample of a task is its own episode, named by its ``episode_id``.  An episodic environment
-keeps each episode's state in the replica that answered its reset (``EnvReply.replica``): the
-generator sends that episode's steps to that replica's own step subject.  State stays where the
-tool runs (a sandbox directory, a process) because it cannot be moved into a bucket.
+Every sample of a task is its own episode, named by its ``episode_id``.  ``reset`` is stateless
+(one round trip per batch renders each task's prompt and says whether it is episodic); an episodic
+environment opens an episode's state at its first ``step`` (turn 1, on any replica of the queue
+group) and keeps it, with a TTL, in that replica (``EnvReply.replica``): the generator sends the
+episode's later steps to that replica's own step subject.  State stays where the tool runs (a
+sandbox directory, a process), which a key-value bucket could not hold.  A later turn of an
+episode the replica does not hold (unknown, expired, or the replica restarted) is refused with an
+error that says so.
 
 Two kinds of failure end an episode, and they are told apart because they are trained on
 differently: ``failure="policy"`` (a malformed or unknown tool call: the policy's fault, scored as
@@ -73,7 +77,7 @@ class EnvReply(Message):
     error: str = ""  # the request was refused (the task is dead-lettered with this)
     info: dict[str, Any] = field(default_factory=dict)
     episodic: bool = False  # on reset: the policy's turns go to ``step`` until done (False: one completion ends it)
-    replica: str = ""  # on reset: the instance holding the episode's state; its steps go to its subject
+    replica: str = ""  # on step: the instance holding the episode's state; its later steps go to its subject
     failure: str = ""  # with done: "policy" or "environment" (see the module docstring)
     finish_reason: str = ""  # with done: why it ended, one of EPISODE_ENDS
     tool_s: float = 0.0  # seconds the environment's tools spent on this step
