@@ -27,6 +27,7 @@ from observability.logging import get_logger
 from schemas import EnvReplyBatch, EnvResetBatch, RolloutGroup, SchemaError, Task
 from services.generator.backend import Backend
 from services.generator.core import Generator, Pins
+from services.generator.episodes import EpisodeDriver
 from services.generator.intake import TASK_MAX_DELIVER, Held, TaskIntake
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
@@ -51,7 +52,7 @@ class BatchDriver:
 
     def __init__(self, bus: Bus, subjects: Subjects, gen: Generator, cfg: GeneratorSettings, *, intake: TaskIntake,
                  weights: WeightFollower, publisher: Publisher, status: Status, life: Lifecycle,
-                 slowdown: SlowdownFile) -> None:
+                 slowdown: SlowdownFile, episodes: EpisodeDriver) -> None:
         self.bus = bus
         self.subjects = subjects
         self.gen = gen
@@ -62,7 +63,9 @@ class BatchDriver:
         self.status = status
         self.life = life
         self.slowdown = slowdown
+        self.episodes = episodes
         self.traces = BatchTraces([])  # the spans of the batch being driven, in each task's trace
+        self._episodic: set[int] = set()  # id() of the batch's tasks whose reset said they are episodic
 
     async def loop(self) -> None:
         while not self.life.stopping.is_set():
@@ -77,7 +80,7 @@ class BatchDriver:
 
     async def _idle(self) -> None:
         # Nothing in hand: swap staged weights in now instead of at the next batch's first decode step.
-        if await asyncio.to_thread(self.gen.backend.apply_staged):
+        if await asyncio.to_thread(self.gen.apply_staged):
             self.status.show()
         await self.status.wait_for_change(self.IDLE_WAIT_S)
 
@@ -91,7 +94,7 @@ class BatchDriver:
         try:
             held = await self._addressable(held)
             t_env = time.perf_counter()
-            ready = await self._screen(await self._reset(held))
+            ready = await self._hand_over_episodes(await self._screen(await self._reset(held)))
             if not ready:
                 return
             t_sample = time.perf_counter()
@@ -111,6 +114,7 @@ class BatchDriver:
                       sample_s=round(t_publish - t_sample, 4), publish_s=round(time.perf_counter() - t_publish, 4))
         finally:
             self.traces.end()
+            self._episodic.clear()
             self.gen.end_batch()
 
     # --- tasks refused alone -----------------------------------------------------------------------
@@ -142,6 +146,21 @@ class BatchDriver:
                 self.gen.give_back(int(not h.is_eval))
             else:
                 keep.append((h, prompt))
+        return keep
+
+    async def _hand_over_episodes(self, ready: list[Prompted]) -> list[Prompted]:
+        """The single-turn tasks; the episodic ones go to the episode driver, which plays and settles
+        them while this driver takes the next batch (or refuses them, when this backend cannot)."""
+        keep: list[Prompted] = []
+        for h, prompt in ready:
+            if id(h) not in self._episodic:
+                keep.append((h, prompt))
+            elif problem := self.episodes.supported():
+                await self._refuse([h], f"task {h.task.task_id!r} is episodic: {problem}")
+                self.gen.give_back(int(not h.is_eval))
+            else:
+                self.traces.outcome(h, "episodes")
+                self.episodes.admit(h, prompt, self.traces.detach(h))
         return keep
 
     # --- environments ------------------------------------------------------------------------------
@@ -182,6 +201,8 @@ class BatchDriver:
                 prompts.append(None)
             else:
                 prompts.append([int(t) for t in r.observation_ids])
+                if r.episodic:
+                    self._episodic.add(id(h))
         return prompts
 
     async def _request_resets(self, subject: str, env: str, held: list[Held]) -> tuple[EnvReplyBatch | None, str]:
@@ -279,10 +300,8 @@ class BatchDriver:
         self.gen.give_back(sum(not h.is_eval for h, _ in part))
 
     async def _play(self, batch: list[tuple[Task, list[int]]], pins: Pins) -> list[RolloutGroup]:
-        """Play the batch's episodes to their end.  Single-turn environments end after the one
-        completion, so that is one backend call.  A multi-turn episode driver plugs in here:
-        per turn, sample, send each live episode's action to ``rl.<run>.env.<name>.step`` (EnvStep),
-        append the observation ids with loss_mask 0, until every episode is done or out of budget."""
+        """Sample the batch's single-turn tasks (one completion ends each; episodic tasks went to the
+        episode driver)."""
         return await asyncio.to_thread(self.gen.sample, batch, pins)
 
 

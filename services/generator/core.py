@@ -9,6 +9,7 @@ driver, publisher) do, and a test can drive it with plain objects.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 import zlib
@@ -48,6 +49,9 @@ class Generator:
     def __init__(self, backend: Backend, cfg: GeneratorSettings, pools: list[str] | None = None) -> None:
         self.backend = backend
         self.cfg = cfg
+        # One worker thread at a time uses the model: the batch sampler, the episode engine and the
+        # idle weight swap run in different threads, and a swap during another's forward would mix versions.
+        self.model_lock = threading.Lock()
         self.boot = uuid.uuid4().hex[:8]
         # --- the controller's decisions --------------------------------------------------------
         self.grant_total = 0 if cfg.admission else UNLIMITED  # training groups this boot may have started
@@ -66,6 +70,7 @@ class Generator:
         self.eval_published = 0
         self.published_by_pool: Counter[str] = Counter()
         self.in_flight = 0  # tasks of the batch being driven now
+        self.episode_tasks = 0  # episodic tasks handed to the episode driver and not settled yet
         self.batches = 0
         self.dead = 0  # tasks and weight versions dead-lettered
         self.redelivered = 0  # tasks received again (another replica died or timed out holding them)
@@ -85,7 +90,7 @@ class Generator:
     @property
     def state(self) -> str:
         """For the heartbeat: running | paused | draining | drained (nothing held any more)."""
-        return "drained" if self.mode == "draining" and self.in_flight == 0 else self.mode
+        return "drained" if self.mode == "draining" and self.in_flight + self.episode_tasks == 0 else self.mode
 
     @property
     def budget(self) -> int:
@@ -97,6 +102,12 @@ class Generator:
     @property
     def batch_cap(self) -> int:
         return max(min(self.cfg.max_batch_groups, self.concurrency), 1)
+
+    @property
+    def room(self) -> int:
+        """Training groups to take now: the grant's room, less the groups whose episodes are still playing
+        (they hold their place in the concurrency cap until they settle)."""
+        return max(min(self.budget, self.batch_cap - self.episode_tasks), 0)
 
     # --- the controller's decisions --------------------------------------------------------------
     def on_control(self, ctl: Control) -> str | None:
@@ -216,11 +227,19 @@ class Generator:
         v = task.metadata.get("eval_version") if task.eval else None
         return int(v) if isinstance(v, int) and v >= 0 else None
 
+    def apply_staged(self) -> bool:
+        """Blocking: swap staged weights in now (an idle generator); True when the version changed."""
+        with self.model_lock:
+            return self.backend.apply_staged()
+
     def sample(self, batch: list[tuple[Task, list[int]]], pins: Pins | None = None) -> list[RolloutGroup]:
         """Blocking (run in a worker thread): one backend call per distinct sampling setting and
         pinned version.  ``pins`` holds the weights of each held-out version to sample at exactly
         (None: the backend's pinned copy already holds it); other tasks use the live weights."""
-        pins = pins or {}
+        with self.model_lock:
+            return self._sample(batch, pins or {})
+
+    def _sample(self, batch: list[tuple[Task, list[int]]], pins: Pins) -> list[RolloutGroup]:
         by_params: dict[tuple[bytes, int, int | None], list[int]] = defaultdict(list)
         for i, (task, _) in enumerate(batch):
             v = self.eval_version(task)
@@ -275,7 +294,7 @@ class Generator:
                 GeneratorKeys.GRANT_TOTAL: min(self.grant_total, 1 << 40), GeneratorKeys.GROUPS_PER_S: rate,
                 GeneratorKeys.CONCURRENCY: self.batch_cap,
                 "generator/eval_groups_published": self.eval_published, "generator/in_flight": self.in_flight,
-                "generator/dead_lettered": self.dead, "generator/paused": float(self.paused),
+                "generator/dead_lettered": self.dead, "generator/episode_tasks": self.episode_tasks, "generator/paused": float(self.paused),
                 "generator/min_version": self.min_version, "generator/tasks_redelivered": self.redelivered,
                 "generator/slowdown": float(getattr(self.backend, "slowdown", 1.0)),
                 "generator/eval_pinned": self.eval_pinned, "generator/eval_unpinned": self.eval_unpinned,

@@ -74,7 +74,7 @@ class TaskIntake:
         held: list[Held] = []
         for puller in self.eval_pullers.values():
             held.extend(Held(d, True) for d in await puller.fetch(self.eval_room, timeout=0.01))
-        room = min(self.gen.budget, self.gen.batch_cap)
+        room = self.gen.room
         short: set[str] = set()
         for pool, n in self.gen.split_room(room):
             batch = await self._train_puller(pool).fetch(n, timeout=0.05)

@@ -9,6 +9,8 @@ consumes:  rl.<run>.tasks.<pool>          (Task)            durable 'generator_<
              its grant).  Evaluate on 'all.evaluate' is weight-broadcast's record; the generator ignores it.
 calls:     rl.<run>.env.<name>.reset_batch (EnvResetBatch -> EnvReplyBatch: per task prompt tokens, or an
              error), one request per environment name in a batch
+           rl.<run>.env.<name>.step (EnvStep -> EnvReply), an episode's first turn (any replica), then
+             rl.<run>.env.<name>.step.<replica> (the replica holding the episode) for its later turns
 produces:  rl.<run>.rollouts.<pool>       (RolloutGroup)    msg id 'rollouts.<task_id>'
            rl.<run>.metrics.generator.<instance>  (Heartbeat)  every 0.5 s; GeneratorKeys name what the controller reads
            rl.<run>.dead.<origin>         (DeadLetter)      refused tasks, weights and decisions, with the reason
@@ -19,6 +21,10 @@ A task passes through, in order: ``TaskIntake`` (intake.py: eval tasks first, tr
 the grant split by the routed shares, small grants pooled into fuller batches) -> ``BatchDriver``
 (batch.py: environment resets, pinned eval weights, sampling in a worker thread by the I/O-free
 ``Generator`` core in core.py) -> ``Publisher`` (publisher.py: groups published, then tasks acked).
+A task whose reset says it is episodic goes from the batch driver to the ``EpisodeDriver``
+(episodes.py): each sample an episode of turns and environment steps (``rl.<run>.env.<name>.step``,
+then ``...step.<replica>``), played on the backend's episode engine at its own pace, the group
+published through the same ``Publisher`` when its last episode ends.
 Beside them, ``WeightFollower`` (weight_follower.py) stages new versions and serves pinned ones, and
 ``ControlFollower`` (control.py) applies decisions to the core; ``Status`` (status.py) shows the
 core on the heartbeat and wakes the batch loop when either changes it.
@@ -45,6 +51,7 @@ from services.generator.backend import BACKENDS, Backend
 from services.generator.batch import BatchDriver, SlowdownFile
 from services.generator.control import ControlFollower
 from services.generator.core import Generator
+from services.generator.episodes import EpisodeDriver
 from services.generator.intake import TASK_ACK_WAIT, TaskIntake
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
@@ -87,8 +94,11 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
     intake = TaskIntake(bus, subjects, gen, status, life, train_pools=train_pools, eval_pools=eval_pools,
                         eval_room=cfg.max_batch_groups * run_cfg.group_size,
                         max_ack_pending=max(4 * run_cfg.admission_window_groups, 256))
-    driver = BatchDriver(bus, subjects, gen, cfg, intake=intake, weights=weights,
-                         publisher=Publisher(bus, subjects, gen, life), status=status, life=life,
-                         slowdown=SlowdownFile(cfg.slowdown_file))
+    publisher = Publisher(bus, subjects, gen, life)
+    episodes = EpisodeDriver(bus, subjects, gen, cfg, publisher=publisher, status=status, life=life)
+    status.beat.extra = lambda: {**gen.metrics(), **episodes.metrics()}
+    driver = BatchDriver(bus, subjects, gen, cfg, intake=intake, weights=weights, publisher=publisher, status=status,
+                         life=life, slowdown=SlowdownFile(cfg.slowdown_file), episodes=episodes)
     log.info("generator_ready", backend=cfg.backend, pools=train_pools + eval_pools, boot=gen.boot)
-    await run_until_stopped(life, lambda: status.beat.loop(life), weights.follow, control.follow, driver.loop)
+    await run_until_stopped(life, lambda: status.beat.loop(life), weights.follow, control.follow, driver.loop,
+                            episodes.loop)

@@ -67,6 +67,15 @@ class BatchTraces:
         """The trace context each task's group is published with."""
         return [t.inject(span=self.span(h)) for h in held]
 
+    def detach(self, h: Held) -> BatchTraces:
+        """``h``'s span, moved out of this batch into traces of its own (a task played on after the
+        batch ends: an episode)."""
+        own = BatchTraces([])
+        span = self.spans.pop(id(h), None)
+        if span is not None:
+            own.spans[id(h)] = span
+        return own
+
     def end(self) -> None:
         for s in self.spans.values():
             s.end()

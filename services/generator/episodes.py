@@ -1,0 +1,384 @@
+"""The episode driver: multi-turn episodes, each at its own pace, on the backend's episode engine.
+
+Every sample of an episodic task is its own episode: one token sequence of policy turns (loss mask
+1, behaviour logprob, the version that produced each token) and the observations its environment
+answered them with (loss mask 0, logprob 0), appended as ids and never re-tokenised.  The batch
+driver hands a task over here once its reset says it is episodic, and goes on taking tasks while
+this driver plays it (room permitting): episodes progress independently and a finished group's
+room is refilled at once instead of waiting for a whole batch.
+
+Scheduling: one loop alternates engine runs (a few decode steps for every episode that has a turn in
+progress, in one batched forward per step, in a worker thread) with the bus work between them.  A
+turn that ends goes to its environment as an ``EnvStep`` in its own asyncio task, so episodes waiting
+on a slow tool hold nobody else; the observation is appended to the episode's row (only those ids
+are prefilled: the engine keeps its KV cache across turns) and its next turn joins the next run.
+The engine is only ever called from the loop, between runs, so it needs no locks.
+
+Ends, each a ``Rollout.finish_reason``: the environment says done; ``max_turns``,
+``max_total_tokens`` (``Task.limits``) or the model's ``context`` would be passed; a policy
+failure (a malformed or unknown tool call: scored); an environment failure or an environment that
+does not answer (``env_error``: excluded from the loss, counted, never rewarded 0).  A group is
+published when its last episode ends, then its task is acked; a stop hands back the tasks whose
+groups are unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from bus.protocol import Bus, BusError
+from bus.subjects import Subjects
+from observability import tracing
+from observability.logging import get_logger
+from schemas import EnvReply, EnvStep, Rollout, RolloutGroup, SchemaError, Task, spans_from_versions
+from services.generator.backend import cut_at_stop
+from services.generator.core import Generator
+from services.generator.intake import Held
+from services.generator.publisher import Publisher
+from services.generator.settings import GeneratorSettings
+from services.generator.status import Status
+from services.generator.traces import BatchTraces
+from services.policy.sampler import SampleOut
+from services.runtime.lifecycle import Lifecycle
+
+log = get_logger()
+
+
+@runtime_checkable
+class EpisodeBackend(Protocol):
+    """A backend that plays episodes: ``episodes()`` is its engine (services/policy/episodes.py)."""
+
+    def episodes(self) -> Any: ...
+
+
+@dataclass
+class Episode:
+    """One sample of a task, played turn by turn: what it holds after its prompt."""
+
+    key: str  # the engine row and the environment's episode id
+    index: int
+    task: Task
+    prompt_len: int
+    ids: list[int] = field(default_factory=list)  # policy and observation tokens after the prompt
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turns: int = 0
+    replica: str = ""  # the environment replica holding its state (after the first step)
+    tool_s: float = 0.0
+    finish_reason: str = ""
+    env_error: str = ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)
+
+    @property
+    def length(self) -> int:
+        return self.prompt_len + len(self.ids)
+
+    def add_turn(self, turn: Any) -> None:
+        self.turns += 1
+        self.ids.extend(int(t) for t in turn.ids)
+        self.mask.extend([1] * len(turn.ids))
+        self.logprobs.extend(float(x) for x in turn.logprobs)
+        self.versions.extend(int(v) for v in turn.versions)
+
+    def add_observation(self, ids: list[int]) -> None:
+        # Environment tokens carry the version of the turn before them: no version produced them,
+        # and the run-length spans stay as short as the turns.
+        version = self.versions[-1] if self.versions else 0
+        self.ids.extend(ids)
+        self.mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+        self.versions.extend([version] * len(ids))
+
+    def rollout(self, prompt: list[int], text: str, generator_id: str) -> Rollout:
+        return Rollout(
+            rollout_id=f"{self.task.task_id}:{self.index}", task_id=self.task.task_id, index=self.index,
+            token_ids=np.asarray([*prompt, *self.ids], dtype="<i4"), prompt_len=self.prompt_len,
+            loss_mask=np.asarray(self.mask, dtype="|u1"), behaviour_logprobs=np.asarray(self.logprobs, dtype="<f4"),
+            version_spans=spans_from_versions(np.asarray(self.versions, dtype=np.int64)),
+            finish_reason=self.finish_reason, text=text, generator_id=generator_id,
+            timings={"tool_s": self.tool_s}, turns=self.turns, env_error=self.env_error)
+
+
+@dataclass
+class GroupRun:
+    """The episodes of one task; published together once the last one ends."""
+
+    held: Held
+    prompt: list[int]
+    episodes: list[Episode]
+    traces: BatchTraces
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def done(self) -> bool:
+        return all(e.done for e in self.episodes)
+
+
+class EpisodeCounters:
+    """What the heartbeat says about episodes."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.ended: Counter[str] = Counter()  # by finish reason
+        self.turns = 0
+        self.env_steps = 0
+        self.tool_s = 0.0
+
+    def metrics(self, in_flight: int) -> dict[str, float]:
+        return {"generator/episodes_in_flight": in_flight, "generator/episodes_started": self.started,
+                "generator/episode_turns": self.turns, "generator/episode_env_steps": self.env_steps,
+                "generator/episode_tool_s": self.tool_s,
+                "generator/episodes_env_error": self.ended["env_error"],
+                "generator/episodes_policy_error": self.ended["policy_error"],
+                **{f"generator/episodes_ended_{r}": n for r, n in self.ended.items()}}
+
+
+class EpisodeDriver:
+    """Plays episodic tasks handed over by the batch driver (see the module docstring)."""
+
+    STEPS_PER_RUN = 8  # decode steps per engine run: between runs, ended turns go out and new episodes join
+    IDLE_WAIT_S = 0.5  # nothing to decode: wait this long for an observation or a new group
+
+    def __init__(self, bus: Bus, subjects: Subjects, gen: Generator, cfg: GeneratorSettings, *,
+                 publisher: Publisher, status: Status, life: Lifecycle) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.gen = gen
+        self.cfg = cfg
+        self.publisher = publisher
+        self.status = status
+        self.life = life
+        self.groups: dict[str, GroupRun] = {}  # by task id
+        self.counters = EpisodeCounters()
+        self._engine: Any = None
+        self._ops: list[Callable[[Any], None]] = []  # engine calls queued for the loop, applied between runs
+        self._decoding: set[str] = set()  # rows with a turn in progress
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._rng = torch.Generator(device="cpu")
+        self._rng.manual_seed(zlib.crc32(f"{cfg.seed}/{cfg.instance}/episodes".encode()))
+
+    # --- what the batch driver asks --------------------------------------------------------------
+    def supported(self) -> str:
+        """Why this generator cannot play episodes ('' when it can)."""
+        if isinstance(self.gen.backend, EpisodeBackend):
+            return ""
+        return (f"the {self.cfg.backend!r} backend does not play multi-turn episodes yet: serve episodic "
+                "environments with [generator] backend = 'torch'")
+
+    @property
+    def tasks_in_flight(self) -> int:
+        return len(self.groups)
+
+    def admit(self, held: Held, prompt: list[int], traces: BatchTraces) -> None:
+        """Play ``held``'s task: ``group_size`` episodes from ``prompt``.  Its grant is already counted
+        as started; it is settled (published, acked) or handed back by this driver."""
+        task = held.task
+        tag = f"{self.gen.boot}.{held.delivery.deliveries}"  # a redelivered task opens new episodes
+        episodes = [Episode(key=f"{task.task_id}:{k}:{tag}", index=k, task=task, prompt_len=len(prompt))
+                    for k in range(task.group_size)]
+        if self.gen.eval_version(task) is not None:
+            self.gen.eval_unpinned += 1  # episodes play on the live weights; their tokens say which versions
+        self.groups[task.task_id] = GroupRun(held, list(prompt), episodes, traces)
+        self.gen.episode_tasks = len(self.groups)
+        self.counters.started += len(episodes)
+        keys = [e.key for e in episodes]
+        stop_ids = [self.gen.backend.eos_id] if self.gen.backend.eos_id is not None else []
+
+        def open_rows(engine: Any) -> None:
+            engine.open(keys, list(prompt))
+            for key in keys:
+                engine.start_turn(key, task.sampling, stop_ids, self._turn_tokens(task, len(prompt)))
+                self._decoding.add(key)
+
+        self._queue(open_rows)
+
+    # --- the loop --------------------------------------------------------------------------------
+    async def loop(self) -> None:
+        try:
+            while not self.life.stopping.is_set():
+                self._apply_ops()
+                if not self._decoding:
+                    self._wake.clear()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(self.IDLE_WAIT_S):
+                            await self._wake.wait()
+                    continue
+                finished = await asyncio.to_thread(self._run)
+                for key, turn in finished:
+                    self._decoding.discard(key)
+                    self._spawn(self._after_turn(self._episode(key), turn))
+        finally:
+            await self._hand_back_unfinished()
+
+    def _run(self) -> list[tuple[str, Any]]:
+        with self.gen.model_lock:
+            return self._engine_now().run(self._rng, max_steps=self.STEPS_PER_RUN)
+
+    def _engine_now(self) -> Any:
+        if self._engine is None:
+            self._engine = self.gen.backend.episodes()  # type: ignore[attr-defined]
+        return self._engine
+
+    def _queue(self, op: Callable[[Any], None]) -> None:
+        self._ops.append(op)
+        self._wake.set()
+
+    def _apply_ops(self) -> None:
+        ops, self._ops = self._ops, []
+        engine = self._engine_now() if ops else None
+        for op in ops:
+            op(engine)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _episode(self, key: str) -> Episode:
+        task_id = key.split(":", 1)[0]
+        return next(e for e in self.groups[task_id].episodes if e.key == key)
+
+    # --- one turn's end --------------------------------------------------------------------------
+    async def _after_turn(self, ep: Episode, turn: Any) -> None:
+        turn = self._cut_at_stop(ep, turn)
+        ep.add_turn(turn)
+        self.counters.turns += 1
+        reply = await self._step(ep, list(turn.ids))
+        if reply is None:
+            return
+        if reply.done:
+            if reply.failure == "environment":
+                await self._end(ep, "env_error", env_error=reply.observation_text or reply.finish_reason
+                                or "the environment reported a failure")
+            else:
+                await self._end(ep, "policy_error" if reply.failure == "policy" else reply.finish_reason or "done")
+            return
+        await self._continue(ep, [int(t) for t in reply.observation_ids])
+
+    def _cut_at_stop(self, ep: Episode, turn: Any) -> Any:
+        """The turn ends at the first of the task's stop strings (a tool call's closing tag): the
+        tokens after it are dropped here and from the engine's row, so the observation follows it."""
+        if not ep.task.sampling.stop:
+            return turn
+        sample = SampleOut(completion_ids=list(turn.ids), behaviour_logprobs=np.asarray(turn.logprobs),
+                           token_versions=np.asarray(turn.versions), finish_reason=turn.finish_reason)
+        cut = cut_at_stop(sample, ep.task.sampling.stop, self.gen.backend.decode)
+        if len(cut.completion_ids) == len(sample.completion_ids):
+            return turn
+        keep = ep.length + len(cut.completion_ids)
+        self._queue(lambda engine: engine.truncate(ep.key, keep))
+        return dataclasses.replace(turn, ids=cut.completion_ids, logprobs=cut.behaviour_logprobs,
+                                   versions=cut.token_versions, finish_reason="stop")
+
+    async def _continue(self, ep: Episode, observation: list[int]) -> None:
+        """Append the observation and start the next turn, unless a limit ends the episode first."""
+        limit, context = self._limits(ep.task)
+        if ep.turns >= ep.task.limits.max_turns:
+            await self._end(ep, "max_turns")
+        elif ep.length + len(observation) + 1 > limit:
+            await self._end(ep, "context" if limit == context else "max_total_tokens")
+        else:
+            ep.add_observation(observation)
+            stop_ids = [self.gen.backend.eos_id] if self.gen.backend.eos_id is not None else []
+            budget = min(ep.task.sampling.max_new_tokens, limit - ep.length)
+
+            def next_turn(engine: Any) -> None:
+                engine.append(ep.key, observation)
+                engine.start_turn(ep.key, ep.task.sampling, stop_ids, budget)
+                self._decoding.add(ep.key)
+
+            self._queue(next_turn)
+
+    async def _step(self, ep: Episode, action: list[int]) -> EnvReply | None:
+        """The environment's answer to the turn, or None when the episode ended on a failure to get one
+        (an environment failure: excluded from the loss, never rewarded 0)."""
+        task = ep.task
+        subject = (self.subjects.env_step(task.env, ep.replica) if ep.replica
+                   else self.subjects.env(task.env, "step"))
+        request = EnvStep(task=task, episode_id=ep.key, action_ids=np.asarray(action, dtype="<i4"),
+                          action_text=self.gen.backend.decode(action), turn=ep.turns).encode()
+        timeout = self.cfg.env_timeout + max(task.limits.max_tool_s - ep.tool_s, 0.0)
+        group = self.groups[task.task_id]
+        self.counters.env_steps += 1
+        try:
+            with group.traces.calls([group.held], f"environment step {task.env}", **{tracing.ENV: task.env}):
+                reply = EnvReply.decode(await self.bus.request(subject, request, timeout=timeout))
+        except (BusError, SchemaError) as exc:
+            await self._end(ep, "env_error", env_error=f"environment {task.env!r} step {ep.turns} failed: {exc}")
+            return None
+        ep.tool_s += reply.tool_s
+        self.counters.tool_s += reply.tool_s
+        if reply.error:  # refused: an unknown or expired episode, a replica that restarted
+            await self._end(ep, "env_error", env_error=f"environment {task.env!r} refused step {ep.turns}: {reply.error}")
+            return None
+        ep.replica = reply.replica or ep.replica
+        return reply
+
+    def _limits(self, task: Task) -> tuple[int, int]:
+        """(the episode's token limit, the model's context); both count the prompt."""
+        context = getattr(self.gen.backend, "max_context", None) or (1 << 30)
+        mine = task.limits.max_total_tokens
+        return (min(mine, context) if mine else context), context
+
+    def _turn_tokens(self, task: Task, length: int) -> int:
+        limit, _ = self._limits(task)
+        return max(min(task.sampling.max_new_tokens, limit - length), 1)
+
+    # --- ends --------------------------------------------------------------------------------------
+    async def _end(self, ep: Episode, reason: str, *, env_error: str = "") -> None:
+        ep.finish_reason, ep.env_error = reason, env_error
+        self.counters.ended[reason] += 1
+        if env_error:
+            log.warning("episode_env_error", episode=ep.key, error=env_error)
+        self._queue(lambda engine: engine.close(ep.key))
+        group = self.groups.get(ep.task.task_id)
+        if group is not None and group.done:
+            await self._settle(group)
+
+    async def _settle(self, group: GroupRun) -> None:
+        task = group.held.task
+        decode = self.gen.backend.decode
+        rollouts = [e.rollout(group.prompt, decode(e.ids), self.cfg.instance) for e in group.episodes]
+        rg = RolloutGroup(task=task, rollouts=rollouts, sampling=task.sampling, generator_id=self.cfg.instance,
+                          created_at=time.time())
+        group.traces.sampled(group.held, rg)
+        try:
+            await self.publisher.settle([group.held], [rg], traces=group.traces.headers([group.held]))
+        finally:
+            group.traces.end()
+            self.groups.pop(task.task_id, None)
+            self.gen.episode_tasks = len(self.groups)
+            self.status.changed()  # wakes the batch driver: there is room again
+
+    async def _hand_back_unfinished(self) -> None:
+        """At a stop: the tasks of unfinished groups come back to the pool at once (their grant too)."""
+        for task in list(self._tasks):
+            task.cancel()
+        for group in list(self.groups.values()):
+            with contextlib.suppress(BusError):
+                await group.held.delivery.nak(delay=0.0, error="the generator stopped mid-episode")
+            self.gen.give_back(int(not group.held.is_eval))
+            group.traces.end()
+        self.groups.clear()
+        self.gen.episode_tasks = 0
+
+    def metrics(self) -> dict[str, float]:
+        engine_stats = self._engine.stats if self._engine is not None else {}
+        return {**self.counters.metrics(sum(len(g.episodes) for g in self.groups.values())),
+                **{f"generator/{k}": float(v) for k, v in engine_stats.items() if k in ("rows",)}}

@@ -1,0 +1,254 @@
+"""The generator's episode driver on the in-memory bus, with a fake engine and a fake episodic environment.
+
+What a user cares about: a multi-turn episode is one token sequence (policy turns with loss mask 1,
+their logprobs and versions; observations with mask 0 and logprob 0, appended as the environment's
+ids, never re-tokenised); an episode's later steps reach the environment replica that holds it;
+every limit ends the episode with its own finish reason; an environment failure (a failure reply, a
+replica gone, an unknown episode) is recorded as ``env_error`` so the trainer excludes it, while a
+policy failure is scored; the group is published before its task is acked; and a backend that cannot
+play episodes refuses an episodic task with the reason instead of failing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from schemas import EnvReply, EnvReplyBatch, EnvResetBatch, EnvStep, EpisodeLimits, SamplingParams, Task
+from tests.unit.test_generator_intake import RUN, FakeBackend, Harness, eventually
+
+PROMPT = [1, 2, 3]
+OBSERVATION = [9, 9]
+TURN = [5, 6]
+
+
+@dataclass
+class Turn:
+    """One finished turn, as the engine returns it (``services.policy.episodes.Turn``'s fields)."""
+
+    ids: list[int]
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+
+class FakeEngine:
+    """Each turn in progress ends at the next run with two tokens of the backend's live version."""
+
+    def __init__(self, backend: FakeBackend) -> None:
+        self.backend = backend
+        self.rows: dict[str, list[int]] = {}
+        self.turns: dict[str, int] = {}  # rows with a turn in progress -> its max_new_tokens
+        self.appended: list[tuple[str, list[int]]] = []
+        self.truncated: list[tuple[str, int]] = []
+        self.closed: list[str] = []
+
+    def open(self, keys: list[str], prompt_ids: list[int]) -> None:
+        for key in keys:
+            self.rows[key] = list(prompt_ids)
+
+    def append(self, key: str, ids: list[int]) -> None:
+        self.appended.append((key, list(ids)))
+        self.rows[key].extend(ids)
+
+    def start_turn(self, key: str, params: Any, stop_ids: list[int], max_new_tokens: int) -> None:
+        self.turns[key] = max_new_tokens
+
+    def run(self, generator: Any, max_steps: int = 16) -> list[tuple[str, Turn]]:
+        out = []
+        for key, budget in self.turns.items():
+            ids = TURN[:budget]
+            self.rows[key].extend(ids)
+            out.append((key, Turn(ids=list(ids), logprobs=np.full(len(ids), -0.5, np.float32),
+                                  versions=np.full(len(ids), self.backend.version, np.int64), finish_reason="length")))
+        self.turns.clear()
+        return out
+
+    def truncate(self, key: str, length: int) -> None:
+        self.truncated.append((key, length))
+        del self.rows[key][length:]
+
+    def close(self, key: str) -> None:
+        self.closed.append(key)
+        self.rows.pop(key, None)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return {"rows": len(self.rows)}
+
+
+class EpisodeBackend(FakeBackend):
+    max_context = 64
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine = FakeEngine(self)
+
+    def episodes(self) -> FakeEngine:
+        return self.engine
+
+
+class EpisodicEnv:
+    """Episodic for every task: the first step opens the episode on replica 'env-a', which holds it;
+    ``answer_on`` is the turn whose step ends it ('done'), ``reply`` overrides a step's answer."""
+
+    def __init__(self, h: Harness, *, answer_on: int = 2, reply: dict[str, Any] | None = None) -> None:
+        self.h = h
+        self.answer_on = answer_on
+        self.reply = reply or {}
+        self.steps: list[tuple[str, int, str]] = []  # (which subject, turn, episode id)
+        self.held: set[str] = set()
+        self.forget = False  # a replica that restarted: it holds none of the episodes it opened
+
+    async def start(self, *, serve_replica: bool = True) -> None:
+        s = self.h.s
+        await self.h.bus.serve(s.env_any("reset_batch"), self.reset_batch, queue="environment")
+        await self.h.bus.serve(s.env_any("step"), lambda d: self.step(d, "queue"), queue="environment")
+        if serve_replica:
+            await self.h.bus.serve(s.env_step_of("env-a"), lambda d: self.step(d, "replica"), queue="env-a")
+
+    async def reset_batch(self, data: bytes) -> bytes:
+        return EnvReplyBatch(replies=[EnvReply(episode_id=t.task_id, observation_ids=np.array(PROMPT, "<i4"),
+                                               episodic=True) for t in EnvResetBatch.decode(data).tasks]).encode()
+
+    async def step(self, data: bytes, via: str) -> bytes:
+        req = EnvStep.decode(data)
+        self.steps.append((via, req.turn, req.episode_id))
+        if req.turn > 1 and req.episode_id not in self.held:
+            return EnvReply(episode_id=req.episode_id, error=f"episode {req.episode_id!r} is unknown here").encode()
+        if not self.forget:
+            self.held.add(req.episode_id)
+        if req.turn in self.reply:
+            return EnvReply(episode_id=req.episode_id, replica="env-a", **self.reply[req.turn]).encode()
+        if req.turn >= self.answer_on:
+            return EnvReply(episode_id=req.episode_id, replica="env-a", done=True, finish_reason="done").encode()
+        return EnvReply(episode_id=req.episode_id, replica="env-a", observation_ids=np.array(OBSERVATION, "<i4"),
+                        tool_s=0.25).encode()
+
+
+async def episodic_task(h: Harness, task_id: str = "ep-0", *, stop: tuple[str, ...] = (), **limits: Any) -> Task:
+    t = Task(run=RUN, task_id=task_id, pool="train", env="calculator", prompt="1+2+3+4=", answer="10", group_size=2,
+             sampling=SamplingParams(max_new_tokens=2, stop=list(stop)), limits=EpisodeLimits(**limits))
+    await h.bus.publish(h.s.tasks("train"), t.encode(), msg_id=t.msg_id)
+    return t
+
+
+async def played(h: Harness, n: int = 1) -> None:
+    await h.admit(n)
+    await eventually(lambda: len(h.groups()) == n, what=f"{n} episodic group(s) published")
+    await eventually(lambda: h.waiting("train") == 0, what="the task acked after its group")
+
+
+async def test_a_two_turn_episode_is_one_token_sequence(tmp_path: Path) -> None:
+    backend = EpisodeBackend()
+    async with Harness(tmp_path, backend=backend, env=False) as h:
+        env = EpisodicEnv(h)
+        await env.start()
+        await episodic_task(h)
+        await played(h)
+        (group,) = h.groups()
+        assert len(group.rollouts) == 2
+        for r in group.rollouts:
+            assert r.token_ids.tolist() == PROMPT + TURN + OBSERVATION + TURN
+            assert r.prompt_len == len(PROMPT)
+            assert r.loss_mask.tolist() == [1, 1, 0, 0, 1, 1]
+            assert r.behaviour_logprobs.tolist() == [-0.5, -0.5, 0.0, 0.0, -0.5, -0.5]
+            assert r.token_versions().tolist() == [0] * 6
+            assert (r.turns, r.finish_reason, r.env_error) == (2, "done", "")
+            assert r.timings["tool_s"] == 0.25
+        # Each episode's first step went to the queue group, its second to the replica holding it.
+        assert sorted((via, turn) for via, turn, _ in env.steps) == [("queue", 1), ("queue", 1),
+                                                                      ("replica", 2), ("replica", 2)]
+        # The observation reached the engine as ids (KV extended, nothing re-tokenised); rows closed.
+        assert [ids for _, ids in backend.engine.appended] == [OBSERVATION, OBSERVATION]
+        assert sorted(backend.engine.closed) == sorted({ep for _, _, ep in env.steps})
+        assert all(held for _, _, held in h.bus.settles), "published while its task was still held"
+        await eventually(lambda: h.metric("generator/episodes_ended_done") == 2, what="episode counters")
+        assert h.metric("generator/episode_tasks") == 0
+
+
+async def test_a_stop_string_ends_the_turn_and_the_observation_follows_it(tmp_path: Path) -> None:
+    backend = EpisodeBackend()
+    async with Harness(tmp_path, backend=backend, env=False) as h:
+        await EpisodicEnv(h).start()
+        await episodic_task(h, stop=("5",))  # the fake decodes id 5 as '5': each turn ends after its first token
+        await played(h)
+        for r in h.groups()[0].rollouts:
+            assert r.token_ids.tolist() == PROMPT + [5] + OBSERVATION + [5]
+            assert r.loss_mask.tolist() == [1, 0, 0, 1]
+        # The engine's rows were cut back to the stop before the observation was appended.
+        assert sorted(length for _, length in backend.engine.truncated) == [4, 4, 7, 7]
+
+
+async def test_limits_end_episodes_with_their_reason(tmp_path: Path) -> None:
+    async with Harness(tmp_path, backend=EpisodeBackend(), env=False) as h:
+        await EpisodicEnv(h, answer_on=99).start()
+        await episodic_task(h, "turns", max_turns=3)
+        await episodic_task(h, "tokens", max_total_tokens=len(PROMPT) + 2 * len(TURN) + len(OBSERVATION))
+        await played(h, 2)
+        by_task = {g.task.task_id: g.rollouts for g in h.groups()}
+        assert {r.finish_reason for r in by_task["turns"]} == {"max_turns"}
+        assert {r.turns for r in by_task["turns"]} == {3}
+        # Room for two turns and one observation: the second observation would pass the limit.
+        assert {r.finish_reason for r in by_task["tokens"]} == {"max_total_tokens"}
+        assert {len(r.token_ids) for r in by_task["tokens"]} == {len(PROMPT) + 2 * len(TURN) + len(OBSERVATION)}
+
+
+async def test_the_models_context_ends_an_episode(tmp_path: Path) -> None:
+    backend = EpisodeBackend()
+    backend.max_context = len(PROMPT) + len(TURN) + 1  # no room for the observation
+    async with Harness(tmp_path, backend=backend, env=False) as h:
+        await EpisodicEnv(h).start()
+        await episodic_task(h)
+        await played(h)
+        assert {r.finish_reason for r in h.groups()[0].rollouts} == {"context"}
+
+
+async def test_environment_failures_are_recorded_not_scored_and_policy_failures_are_scored(tmp_path: Path) -> None:
+    async with Harness(tmp_path, backend=EpisodeBackend(), env=False) as h:
+        env = EpisodicEnv(h, reply={1: {"done": True, "failure": "environment", "finish_reason": "env_error",
+                                        "observation_text": "the tool's process died"}})
+        await env.start()
+        await episodic_task(h, "envfail")
+        await played(h)
+        env.reply = {1: {"done": True, "failure": "policy", "finish_reason": "policy_error",
+                         "observation_text": "unknown tool 'calc2'"}}
+        await episodic_task(h, "policyfail")
+        await played(h, 2)
+        by_task = {g.task.task_id: g.rollouts for g in h.groups()}
+        assert {(r.finish_reason, r.env_error) for r in by_task["envfail"]} == {("env_error", "the tool's process died")}
+        assert {(r.finish_reason, r.env_error) for r in by_task["policyfail"]} == {("policy_error", "")}
+
+
+async def test_a_replica_gone_or_an_unknown_episode_ends_it_as_an_environment_failure(tmp_path: Path) -> None:
+    async with Harness(tmp_path, backend=EpisodeBackend(), env=False) as h:
+        env = EpisodicEnv(h)
+        await env.start(serve_replica=False)  # the replica that holds the episodes is gone
+        await episodic_task(h, "gone")
+        await played(h)
+        (group,) = h.groups()
+        assert {r.finish_reason for r in group.rollouts} == {"env_error"}
+        assert all("step 2 failed" in r.env_error and "no responders" in r.env_error for r in group.rollouts)
+        assert {r.turns for r in group.rollouts} == {2}
+        await eventually(lambda: h.metric("generator/episodes_env_error") == 2, what="env errors counted")
+        env.forget = True  # a replica back from a restart: it does not know the episodes
+        await h.bus.serve(h.s.env_step_of("env-a"), lambda d: env.step(d, "replica"), queue="env-a")
+        await episodic_task(h, "forgotten")
+        await played(h, 2)
+        rollouts = {g.task.task_id: g.rollouts for g in h.groups()}["forgotten"]
+        assert {r.finish_reason for r in rollouts} == {"env_error"}
+        assert all("refused step 2" in r.env_error and "unknown here" in r.env_error for r in rollouts)
+
+
+async def test_a_backend_without_episodes_refuses_episodic_tasks_with_the_reason(tmp_path: Path) -> None:
+    async with Harness(tmp_path, env=False) as h:  # FakeBackend has no episode engine
+        await EpisodicEnv(h).start()
+        await episodic_task(h)
+        await h.admit(1)
+        await eventually(lambda: len(h.bus.messages("DEAD")) == 1, what="the episodic task dead-lettered")
+        [letter] = h.bus.dead_letters
+        assert "is episodic" in letter.reason and "'torch'" in letter.reason
+        assert h.groups() == []
