@@ -50,6 +50,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.status import Status
 from services.generator.traces import BatchTraces
 from services.policy.sampler import SampleOut
+from services.policy.sampling import SamplingParams as PolicySampling
 from services.runtime.lifecycle import Lifecycle
 
 log = get_logger()
@@ -153,6 +154,7 @@ class EpisodeDriver:
 
     STEPS_PER_RUN = 8  # decode steps per engine run: between runs, ended turns go out and new episodes join
     IDLE_WAIT_S = 0.5  # nothing to decode: wait this long for an observation or a new group
+    SAMPLING_RETRY_S = 5.0  # an engine failure: the tasks come back after this
 
     def __init__(self, bus: Bus, subjects: Subjects, gen: Generator, cfg: GeneratorSettings, *,
                  publisher: Publisher, status: Status, life: Lifecycle) -> None:
@@ -166,7 +168,8 @@ class EpisodeDriver:
         self.groups: dict[str, GroupRun] = {}  # by task id
         self.counters = EpisodeCounters()
         self._engine: Any = None
-        self._ops: list[Callable[[Any], None]] = []  # engine calls queued for the loop, applied between runs
+        # Engine calls queued for the loop, applied between runs, with the episodes each is for.
+        self._ops: list[tuple[list[str], Callable[[Any], None]]] = []
         self._decoding: set[str] = set()  # rows with a turn in progress
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
@@ -198,15 +201,14 @@ class EpisodeDriver:
         self.gen.episode_tasks = len(self.groups)
         self.counters.started += len(episodes)
         keys = [e.key for e in episodes]
-        stop_ids = [self.gen.backend.eos_id] if self.gen.backend.eos_id is not None else []
 
         def open_rows(engine: Any) -> None:
             engine.open(keys, list(prompt))
             for key in keys:
-                engine.start_turn(key, task.sampling, stop_ids, self._turn_tokens(task, len(prompt)))
+                engine.start_turn(key, self._sampling(task), self._stop_ids(), self._turn_tokens(task, len(prompt)))
                 self._decoding.add(key)
 
-        self._queue(open_rows)
+        self._queue(keys, open_rows)
 
     # --- the loop --------------------------------------------------------------------------------
     async def loop(self) -> None:
@@ -219,10 +221,15 @@ class EpisodeDriver:
                         async with asyncio.timeout(self.IDLE_WAIT_S):
                             await self._wake.wait()
                     continue
-                finished = await asyncio.to_thread(self._run)
+                try:
+                    finished = await asyncio.to_thread(self._run)
+                except Exception as exc:  # noqa: BLE001 - a backend failure hands the tasks back, never kills the service
+                    await self._hand_back_playing(f"{type(exc).__name__}: {exc}")
+                    continue
                 for key, turn in finished:
                     self._decoding.discard(key)
-                    self._spawn(self._after_turn(self._episode(key), turn))
+                    if (ep := self._find(key)) is not None:
+                        self._spawn(self._after_turn(ep, turn))
         finally:
             await self._hand_back_unfinished()
 
@@ -235,24 +242,38 @@ class EpisodeDriver:
             self._engine = self.gen.backend.episodes()  # type: ignore[attr-defined]
         return self._engine
 
-    def _queue(self, op: Callable[[Any], None]) -> None:
-        self._ops.append(op)
+    def _queue(self, keys: list[str], op: Callable[[Any], None]) -> None:
+        self._ops.append((keys, op))
         self._wake.set()
 
     def _apply_ops(self) -> None:
         ops, self._ops = self._ops, []
         engine = self._engine_now() if ops else None
-        for op in ops:
-            op(engine)
+        for keys, op in ops:
+            try:
+                op(engine)
+            except ValueError as exc:  # ids the engine cannot take (outside the vocabulary): the environment's
+                for key in keys:
+                    self._decoding.discard(key)
+                    if (ep := self._find(key)) is not None and not ep.done:
+                        self._spawn(self._end(ep, "env_error", env_error=f"the engine refused the episode's "
+                                                                         f"tokens: {exc}"))
+
+    def _sampling(self, task: Task) -> PolicySampling:
+        s = task.sampling
+        return PolicySampling(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens)
+
+    def _stop_ids(self) -> list[int]:
+        return [self.gen.backend.eos_id] if self.gen.backend.eos_id is not None else []
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _episode(self, key: str) -> Episode:
-        task_id = key.split(":", 1)[0]
-        return next(e for e in self.groups[task_id].episodes if e.key == key)
+    def _find(self, key: str) -> Episode | None:
+        group = self.groups.get(key.rsplit(":", 2)[0])  # keys are <task id>:<index>:<boot>.<delivery>
+        return next((e for e in group.episodes if e.key == key), None) if group is not None else None
 
     # --- one turn's end --------------------------------------------------------------------------
     async def _after_turn(self, ep: Episode, turn: Any) -> None:
@@ -282,7 +303,7 @@ class EpisodeDriver:
         if len(cut.completion_ids) == len(sample.completion_ids):
             return turn
         keep = ep.length + len(cut.completion_ids)
-        self._queue(lambda engine: engine.truncate(ep.key, keep))
+        self._queue([ep.key], lambda engine: engine.truncate(ep.key, keep))
         return dataclasses.replace(turn, ids=cut.completion_ids, logprobs=cut.behaviour_logprobs,
                                    versions=cut.token_versions, finish_reason="stop")
 
@@ -295,15 +316,14 @@ class EpisodeDriver:
             await self._end(ep, "context" if limit == context else "max_total_tokens")
         else:
             ep.add_observation(observation)
-            stop_ids = [self.gen.backend.eos_id] if self.gen.backend.eos_id is not None else []
             budget = min(ep.task.sampling.max_new_tokens, limit - ep.length)
 
             def next_turn(engine: Any) -> None:
                 engine.append(ep.key, observation)
-                engine.start_turn(ep.key, ep.task.sampling, stop_ids, budget)
+                engine.start_turn(ep.key, self._sampling(ep.task), self._stop_ids(), budget)
                 self._decoding.add(ep.key)
 
-            self._queue(next_turn)
+            self._queue([ep.key], next_turn)
 
     async def _step(self, ep: Episode, action: list[int]) -> EnvReply | None:
         """The environment's answer to the turn, or None when the episode ended on a failure to get one
@@ -346,7 +366,7 @@ class EpisodeDriver:
         self.counters.ended[reason] += 1
         if env_error:
             log.warning("episode_env_error", episode=ep.key, error=env_error)
-        self._queue(lambda engine: engine.close(ep.key))
+        self._queue([], lambda engine: engine.close(ep.key))
         group = self.groups.get(ep.task.task_id)
         if group is not None and group.done:
             await self._settle(group)
@@ -360,6 +380,11 @@ class EpisodeDriver:
         group.traces.sampled(group.held, rg)
         try:
             await self.publisher.settle([group.held], [rg], traces=group.traces.headers([group.held]))
+        except BusError as exc:  # the server stayed away past publish_outage_s: the task comes back later
+            log.warning("episode_group_unpublished", task_id=task.task_id, error=str(exc))
+            with contextlib.suppress(BusError):
+                await group.held.delivery.nak(delay=self.SAMPLING_RETRY_S, error=f"publishing failed: {exc}")
+            self.gen.give_back(int(not group.held.is_eval))
         finally:
             group.traces.end()
             self.groups.pop(task.task_id, None)
@@ -370,13 +395,27 @@ class EpisodeDriver:
         """At a stop: the tasks of unfinished groups come back to the pool at once (their grant too)."""
         for task in list(self._tasks):
             task.cancel()
-        for group in list(self.groups.values()):
+        await self._hand_back(list(self.groups.values()), "the generator stopped mid-episode", delay=0.0)
+
+    async def _hand_back_playing(self, error: str) -> None:
+        """The engine failed: the groups with a turn in progress are handed back for another try (the
+        server's max_deliver bounds a task that fails every time), their rows closed."""
+        log.warning("episode_engine_failed", error=error, rows=len(self._decoding))
+        playing = {ep.task.task_id for key in self._decoding if (ep := self._find(key)) is not None}
+        self._decoding.clear()
+        await self._hand_back([self.groups[t] for t in playing], f"episode engine failed: {error}",
+                              delay=self.SAMPLING_RETRY_S)
+
+    async def _hand_back(self, groups: list[GroupRun], error: str, *, delay: float) -> None:
+        for group in groups:
+            for ep in group.episodes:
+                self._queue([], lambda engine, key=ep.key: engine.close(key))
             with contextlib.suppress(BusError):
-                await group.held.delivery.nak(delay=0.0, error="the generator stopped mid-episode")
+                await group.held.delivery.nak(delay=delay, error=error)
             self.gen.give_back(int(not group.held.is_eval))
             group.traces.end()
-        self.groups.clear()
-        self.gen.episode_tasks = 0
+            self.groups.pop(group.held.task.task_id, None)
+        self.gen.episode_tasks = len(self.groups)
 
     def metrics(self) -> dict[str, float]:
         engine_stats = self._engine.stats if self._engine is not None else {}

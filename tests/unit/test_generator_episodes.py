@@ -45,12 +45,15 @@ class FakeEngine:
         self.appended: list[tuple[str, list[int]]] = []
         self.truncated: list[tuple[str, int]] = []
         self.closed: list[str] = []
+        self.failures = 0  # runs that raise, as a backend that fell over would
 
     def open(self, keys: list[str], prompt_ids: list[int]) -> None:
         for key in keys:
             self.rows[key] = list(prompt_ids)
 
     def append(self, key: str, ids: list[int]) -> None:
+        if any(t >= 100 for t in ids):
+            raise ValueError(f"observation id {max(ids)} is outside the vocabulary (size 100)")
         self.appended.append((key, list(ids)))
         self.rows[key].extend(ids)
 
@@ -58,6 +61,9 @@ class FakeEngine:
         self.turns[key] = max_new_tokens
 
     def run(self, generator: Any, max_steps: int = 16) -> list[tuple[str, Turn]]:
+        if self.failures > 0:
+            self.failures -= 1
+            raise RuntimeError("the accelerator fell over")
         out = []
         for key, budget in self.turns.items():
             ids = TURN[:budget]
@@ -74,6 +80,7 @@ class FakeEngine:
     def close(self, key: str) -> None:
         self.closed.append(key)
         self.rows.pop(key, None)
+        self.turns.pop(key, None)
 
     @property
     def stats(self) -> dict[str, float]:
@@ -252,3 +259,27 @@ async def test_a_backend_without_episodes_refuses_episodic_tasks_with_the_reason
         [letter] = h.bus.dead_letters
         assert "is episodic" in letter.reason and "'torch'" in letter.reason
         assert h.groups() == []
+
+
+async def test_an_engine_failure_hands_the_task_back_and_it_plays_again(tmp_path: Path) -> None:
+    backend = EpisodeBackend()
+    backend.engine.failures = 1
+    async with Harness(tmp_path, backend=backend, env=False) as h:
+        await EpisodicEnv(h).start()
+        await episodic_task(h)
+        await h.admit(1)
+        # Handed back with a delay, then taken again (the grant given back) and played to its end.
+        await eventually(lambda: len(h.groups()) == 1, timeout=20, what="the group after a retry")
+        assert {r.finish_reason for r in h.groups()[0].rollouts} == {"done"}
+        assert h.bus.dead_letters == []
+
+
+async def test_observation_ids_the_model_cannot_take_end_the_episode_as_an_environment_failure(tmp_path: Path) -> None:
+    async with Harness(tmp_path, backend=EpisodeBackend(), env=False) as h:
+        env = EpisodicEnv(h)
+        env.reply = {1: {"observation_ids": np.array([500], "<i4")}}
+        await env.start()
+        await episodic_task(h)
+        await played(h)
+        for r in h.groups()[0].rollouts:
+            assert r.finish_reason == "env_error" and "outside the vocabulary" in r.env_error
