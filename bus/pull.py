@@ -177,7 +177,10 @@ class PullInbox:
         if len(out) >= batch:
             return out
         if not out and not self._nc.is_connected:
-            await self._wait_changed(timeout)  # as a pull that found nothing would (and a caller's loop must not spin)
+            # Wait as a pull that found nothing would, from a cleared event: one left set by a
+            # status or message after the last fetch would return at once without yielding, and
+            # a caller fetching in a loop would starve the client's reconnect for good.
+            await self.wait(timeout)
             return [self.buffer.popleft() for _ in range(min(batch, len(self.buffer)))]
         loop = asyncio.get_running_loop()
         for linger in (False, True):

@@ -59,7 +59,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from observability.logging import get_logger
+from services.policy.logprobs import check_sequences
 from services.trainer.errors import TrainerError
+from services.trainer.judge import InputLimits
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, accumulate, batch_counts, make_optimizer, step_metrics
 
@@ -135,6 +137,7 @@ class ShardedPolicy:
             fully_shard(unit, mesh=mesh, reshard_after_forward=False)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
         self.model = model
+        self._limits = InputLimits.of_model(model)  # what the forwards of a step check (logprobs.py)
         self._fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
         for m in self._fsdp:
             # Each rank's loss is already its share of the whole-batch loss: sum, do not average.
@@ -183,7 +186,15 @@ class ShardedPolicy:
     # ---- rank 0 -------------------------------------------------------------------------------
 
     def train_step(self, seqs: list[PackedSeq]) -> dict[str, float]:
-        """One optimiser step on the whole batch, spread over every rank; whole-batch metrics."""
+        """One optimiser step on the whole batch, spread over every rank; whole-batch metrics.
+
+        Raises ``LogprobInputError`` for a batch the model cannot score, before any rank is
+        involved: the check every rank's forward would run on its slice, run here on the whole
+        batch.  A rank raising it mid-step would leave the others waiting in a collective (the
+        job then hangs or dies); refused here, nothing has started, and the trainer refuses the
+        groups at fault as in one process and goes on with the next batch."""
+        check_sequences([(s.prompt, s.completion) for s in seqs], self._limits.max_positions,
+                        self._limits.vocab_size)
         t0 = time.perf_counter()
         metrics: dict[str, float] = self._lead("step", seqs)
         metrics["train/step_s"] = time.perf_counter() - t0  # the batch broadcast included

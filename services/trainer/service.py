@@ -32,7 +32,9 @@ samples of the versions lost with the crash are not taken for fresh ones.  A gra
 commits what was trained, verifies that checkpoint on disk before acking what it covers, and
 naks what waited for a batch.
 Under torchrun (``[trainer] distributed``) this is rank 0; the other ranks only follow its
-steps and state gathers (distributed.py).
+steps and state gathers (distributed.py).  There rank 0 runs the step's input check on the whole
+batch before any rank starts the step, so a refused batch is refused here as in one process and
+no rank raises mid-step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Chaos on one real run: bad inputs, a late generator, every service kind killed with -9 and
-restarted, the only nats-server stopped for 90 s and started again, and the environment frozen
-until the controller reports the stall and its cause.
+restarted, then two kinds at once (generator and environment, trainer and reward, controller and
+weight-broadcast), the only nats-server stopped for 90 s and started again, and the environment
+frozen until the controller reports the stall and its cause.
 
 One scenario on one pipeline (each service a real process on a real nats-server with file
 storage) because the promise is about the *same* run: it survives all of it, keeps training and,
@@ -37,6 +38,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 WAVE = 64  # tasks per wave: about 5 trainer steps of 8 groups once zero-variance groups are dropped
 OUTAGE_S = 90.0
 KILL_ORDER = ("controller", "environment", "reward", "broadcast", "gen-0", "trainer")
+# Two kinds at once, each pair a consumer and what it depends on or feeds: the generator loses the
+# environment it resets with, the trainer the reward that feeds it, the controller the
+# weight-broadcast whose versions it watches.
+KILL_PAIRS = (("gen-0", "environment"), ("trainer", "reward"), ("controller", "broadcast"))
 STEP_TIMEOUT = 300.0  # generous: a loaded 2-core machine restarting a torch service
 
 
@@ -83,7 +88,7 @@ class Feeder:
     def __init__(self, bus, subjects) -> None:
         self.bus, self.s = bus, subjects
         self.tasks = [Task(run="chaos", task_id=t.task_id, pool="train", env="addition", prompt=t.prompt,
-                           answer=t.answer, group_size=8) for t in make_split("train", WAVE * 9, seed=3)]
+                           answer=t.answer, group_size=8) for t in make_split("train", WAVE * 13, seed=3)]
         self.sent = 0
 
     async def wave(self) -> None:
@@ -111,6 +116,31 @@ async def publish_bad_inputs(bus, s) -> None:
                                           location="weights/forged/model.safetensors")])
     await bus.objects.put("weights/forged/model.safetensors", b"evil")
     await bus.publish(s.weight_uploads("policy"), forged.encode(), msg_id="upload.forged")
+
+
+async def kill_and_restart(p: Pipeline, bus, names: tuple[str, ...]) -> float:
+    """Kill -9 every process in ``names`` together (work in flight), restart them and wait until
+    each heartbeats again, a generator at the version that was latest at the kill; returns the
+    time of the kill."""
+    s = p.subjects
+    latest = WeightManifest.decode(await bus.last(s.weights("policy"))).version
+    t_kill = time.time()
+    for name in names:
+        p.kill9(name)
+    for name in names:
+        if name.startswith("gen-"):
+            p.start_generator(name)
+        else:
+            p.start(name, name)
+    for name in names:
+        if name.startswith("gen-"):
+            rejoined = await wait_heartbeat(
+                bus, lambda h, n=name: h.instance == n and h.ts > t_kill and h.version >= latest,
+                timeout=STEP_TIMEOUT)
+            assert rejoined.version >= latest
+        else:
+            await back_after(bus, t_kill, name)
+    return t_kill
 
 
 async def back_after(bus, t_kill: float, service: str) -> None:
@@ -150,22 +180,13 @@ async def test_a_run_survives_every_service_killed_and_a_90_s_server_outage(tiny
         joined = await wait_heartbeat(bus, lambda h: h.instance == "gen-1" and h.version >= latest, timeout=STEP_TIMEOUT)
         assert joined.version >= latest >= 3
 
-        # --- each service kind killed with -9 (work in flight) and restarted -------------------
-        for name in KILL_ORDER:
-            latest = WeightManifest.decode(await bus.last(s.weights("policy"))).version
-            t_kill = time.time()
-            p.kill9(name)
-            if name.startswith("gen-"):
-                p.start_generator(name)
-                rejoined = await wait_heartbeat(
-                    bus, lambda h, n=name, t=t_kill, v=latest: h.instance == n and h.ts > t and h.version >= v,
-                    timeout=STEP_TIMEOUT)
-                assert rejoined.version >= latest
-            else:
-                p.start(name, name)
-                await back_after(bus, t_kill, name)
+        # --- each service kind killed with -9 (work in flight) and restarted, then two at once --
+        for names in [(name,) for name in KILL_ORDER] + list(KILL_PAIRS):
+            t_kill = await kill_and_restart(p, bus, names)
             await trains_again(bus, feeder, t_kill)
             assert_all_alive(p)
+            print(f"chaos: {'+'.join(names)} killed, back and training on a new wave after "
+                  f"{time.time() - t_kill:.0f} s")
 
         # --- the only server away for 90 s (work in flight), then back on the same port and store
         p.server.stop()

@@ -23,6 +23,8 @@ reached is reported): WEIGHTS is a limits stream keeping the last 1,024 per subj
 readers, the generators' ordered watches, which skip what the stream discarded before they got
 to it; a burst larger than that can drop a forged manifest before a generator has read it, and
 it would then be neither processed nor in DEAD: this test could not tell it from a lost one.  In a real run only weight-broadcast publishes there, one manifest per version.
+All N manifest cases go through the generator's weight follower in one process instead
+(tests/unit/test_weight_follower_fuzz.py), each accounted for exactly once.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ while no consumer is connected.  Each runs on a real nats-server; outages on one
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from typing import Any
 
@@ -268,9 +269,13 @@ async def test_a_pull_answered_after_its_fetch_gave_up_is_given_back_not_held(bu
 
 
 async def test_no_pull_is_sent_while_disconnected(tmp_path):
-    """A fetch during an outage returns what it has at once and sends nothing: a request left in
-    the client's buffer would reach the server on reconnect and take messages for a fetch that
-    ended long before."""
+    """A fetch during an outage sends nothing (a request left in the client's buffer would reach
+    the server on reconnect and take messages for a fetch that ended long before) and waits out
+    its timeout as a pull that found nothing would: a caller that fetches in a loop (the
+    trainer filling a batch) must leave the event loop to the client's reconnect and the
+    heartbeats.  It once returned at once whenever a status or message had arrived after the
+    previous fetch, without yielding, and the trainer spun on it for good: never reconnected,
+    never heartbeated (the chaos test's outage, measured)."""
     from bus.jetstream import JetStreamBus
 
     server = EmbeddedServer(tmp_path / "nats")
@@ -283,8 +288,25 @@ async def test_no_pull_is_sent_while_disconnected(tmp_path):
         await server.astop()
         await eventually(lambda: not bus.connection.nc.is_connected, timeout=10)
         sent = inbox._seq
-        for _ in range(20):
-            assert await asyncio.wait_for(puller.fetch(4, timeout=0.05), 2.0) == []
+        inbox._changed.set()  # a status that landed after the last fetch, as a lingering pull's expiry does
+        ticks = 0
+
+        async def other_work() -> None:  # the client's reconnect, the heartbeats
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        other = asyncio.create_task(other_work())
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        try:
+            for _ in range(20):
+                assert await puller.fetch(4, timeout=0.05) == []
+        finally:
+            other.cancel()
+        waited, ran = time.monotonic() - t0, ticks
+        assert waited >= 20 * 0.05 * 0.9 and ran >= 10, f"fetch spun: 20 fetches in {waited:.3f} s, {ran} ticks"
         assert inbox._seq == sent, "pull requests were queued while the server was away"
         await server.astart()
         await eventually(lambda: bus.connection.nc.is_connected, timeout=30)

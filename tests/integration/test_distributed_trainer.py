@@ -2,7 +2,11 @@
 
 Two ranks train three batches of scored groups (the third has one sequence, so rank 1 has
 nothing to train on); rank 0 also checkpoints and reloads through the distributed state views
-and hands its weights over as the service does.  One process then runs ``train_step`` on the
+and hands its weights over as the service does.  Between the second and third batch rank 0 is
+handed a batch whose sequence on rank 1's slice has a token id outside the vocabulary (what the
+intake judge would stop, let through): the step must refuse it on rank 0 with
+``LogprobInputError`` before any rank starts it (a rank raising mid-step would leave the others
+in a collective), change nothing, and the job must go on.  One process then runs ``train_step`` on the
 same batches from the same initial weights, and they are compared (float32; the two differ
 only in summation order: per-rank partial gradients then a sum, and the sharded clip norm):
 
@@ -22,6 +26,7 @@ The torchrun job is this file run as a script.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -90,6 +95,17 @@ def _batches() -> list[list[ScoredGroup]]:
     return [first, second, third]
 
 
+def _bad_batch() -> list[ScoredGroup]:
+    """Two groups, the second with a completion token outside the vocabulary: by token count the
+    bad sequence falls in rank 1's slice, so only a rank-0 check before the step can stop it."""
+    rng = np.random.default_rng(11)
+    good, bad = _group("x0", rng, [1.0, 0.0], [2, 2], 1.0), _group("x1", rng, [0.0, 1.0], [2, 2], 1.0)
+    last = bad.scored[1]
+    ids = np.concatenate([last.rollout.token_ids[:-1], np.array([10**6], "<i4")])
+    last = dataclasses.replace(last, rollout=dataclasses.replace(last.rollout, token_ids=ids))
+    return [good, dataclasses.replace(bad, scored=[bad.scored[0], last])]
+
+
 def _pack(groups: list[ScoredGroup], cfg: TrainerSettings) -> list[PackedSeq]:
     asm = Assembler(batch_groups=len(groups), max_staleness=MAX_STALENESS)
     for g in groups:
@@ -104,6 +120,7 @@ def _pack(groups: list[ScoredGroup], cfg: TrainerSettings) -> list[PackedSeq]:
 def _job(model_dir: Path, out: Path) -> None:
     """Every rank: shard the policy; rank 0 trains the batches and writes what it ends with."""
     from services.policy.load import load_policy
+    from services.policy.logprobs import LogprobInputError
     from services.trainer import checkpoint
     from services.trainer.distributed import ShardedPolicy
     from services.trainer.upload import weights_bytes
@@ -122,6 +139,14 @@ def _job(model_dir: Path, out: Path) -> None:
             checkpoint.save(out / "ckpt", sharded.model_view, sharded.optimizer_view,  # type: ignore[arg-type]
                             checkpoint.TrainerState(step=1), keep=2)
             checkpoint.load_latest(out / "ckpt", sharded.model_view, sharded.optimizer_view)  # type: ignore[arg-type]
+        if i == 1:
+            seqs = _pack(_bad_batch(), cfg)
+            lo, hi = rank_slices([len(s.prompt) + len(s.completion) for s in seqs], 2)[1]
+            assert any(10**6 in s.completion for s in seqs[lo:hi]), "the bad sequence must be rank 1's"
+            try:
+                sharded.train_step(seqs)
+            except LogprobInputError as exc:
+                (out / "refused.txt").write_text(str(exc))
     checkpoint.save(out / "ckpt", sharded.model_view, sharded.optimizer_view,  # type: ignore[arg-type]
                     checkpoint.TrainerState(step=3), keep=2)
     data, _metas = weights_bytes(sharded.model_view)  # type: ignore[arg-type]
@@ -152,6 +177,9 @@ def test_two_ranks_make_the_single_process_update(tmp_path: Path) -> None:
     job_s = time.perf_counter() - t0
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert (out / "done").exists(), "rank 0 did not finish"
+    # The bad batch was refused on rank 0, naming the token; the comparisons below (three good
+    # steps, no more) show it changed no weight and no optimiser state.
+    assert "outside the vocabulary" in (out / "refused.txt").read_text()
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
