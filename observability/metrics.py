@@ -139,7 +139,7 @@ MAPPED: tuple[Mapped, ...] = (
     _g("time/step_total_s", "trainer_step_total_seconds", "Seconds of the latest step, hand-over and checkpoint included"),
     _g("time/weight_upload_s", "trainer_weight_upload_seconds", "Seconds the previous version's weight upload took"),
     _g("time/checkpoint_s", "trainer_checkpoint_seconds", "Seconds the latest step's checkpoint took (0: none)"),
-    # controller (services/controller/balance.py: C, P, E; state.py: queues; stall.py)
+    # controller (services/controller/balance.py: C, P, E; state.py: queues; stall.py; divergence.py)
     _g("controller/balance/consumption", "controller_consumption_groups_per_second", "C: groups the trainer trains per second"),
     _g("controller/balance/production", "controller_production_groups_per_second", "P: groups the generators publish per second"),
     _g("controller/balance/effective", "controller_effective_groups_per_second",
@@ -165,6 +165,14 @@ MAPPED: tuple[Mapped, ...] = (
     _g("controller/trained_bound", "controller_trained_bound_groups", "Trained groups the admission bound rests on"),
     _g("controller/oversample", "controller_oversample", "Over-sampling factor (1/usable fraction)"),
     _g("controller/stall_s", "controller_stall_seconds", "Seconds without training progress (0: progressing)"),
+    _g("controller/divergence", "controller_divergence",
+       "1 while training reward rises and held-out accuracy falls over the window (divergence.py)"),
+    _g("controller/divergence/reward_trend", "controller_divergence_reward_trend",
+       "Change of the training reward's fitted line across the divergence window"),
+    _g("controller/divergence/heldout_trend", "controller_divergence_heldout_trend",
+       "Change of held-out accuracy's fitted line across the divergence window"),
+    _g("controller/divergence/heldout_readings", "controller_divergence_heldout_readings",
+       "Held-out rounds inside the divergence window"),
     _c("controller/heartbeat_values_skipped", "controller_heartbeat_values_skipped", "Heartbeat values it could not use"),
     _g("controller/queue/scored/pending", "queue_scored_pending", "Scored groups the trainer has not pulled yet"),
     _g("controller/queue/scored/ack_pending", "queue_scored_ack_pending", "Scored groups pulled by the trainer, not acked"),

@@ -9,10 +9,12 @@ from schemas.control import (
     DeadLetter,
     Decision,
     DecisionClock,
+    Divergence,
     Evaluate,
     Heartbeat,
     RunState,
     SetMix,
+    Stall,
 )
 from schemas.env import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep
 from schemas.rollout import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, spans_from_versions
@@ -21,8 +23,8 @@ from schemas.weights import Shard, TensorMeta, WeightManifest
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     SamplingParams, EpisodeLimits, Task, Rollout, RolloutGroup, ScoredRollout, ScoredGroup, TensorMeta, Shard,
-    WeightManifest, Admit, AssignPools, Concurrency, Evaluate, RunState, SetMix, Control, Heartbeat, DeadLetter,
-    EnvReset, EnvStep, EnvReply, EnvResetBatch, EnvReplyBatch,
+    WeightManifest, Admit, AssignPools, Concurrency, Evaluate, RunState, SetMix, Stall, Divergence, Control, Heartbeat,
+    DeadLetter, EnvReset, EnvStep, EnvReply, EnvResetBatch, EnvReplyBatch,
 )
 
 __all__ = [m.__name__ for m in ALL_MESSAGES] + [

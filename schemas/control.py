@@ -2,8 +2,9 @@
 
 A ``Control`` is one auditable decision: an envelope (who it targets, when, why, on which inputs,
 its ``seq``) around exactly one typed ``decision``: ``Admit``, ``AssignPools``, ``Concurrency``,
-``Evaluate``, ``RunState`` (pause/resume/drain) or ``SetMix``.  Each decision validates its own
-fields, so a receiver never casts a loose map of parameters.
+``Evaluate``, ``RunState`` (pause/resume/drain) or ``SetMix``, or a record the controller keeps
+about the run itself (``Stall``, ``Divergence``).  Each decision validates its own fields, so a
+receiver never casts a loose map of parameters.
 
 Ordering: a receiver applies the decisions of one kind in ``seq`` order and ignores a replayed
 older one.  Every issuer (the controller, an operator's ``rlbus control``) takes its ``seq`` from a
@@ -162,9 +163,39 @@ class Stall(Message):
             raise invalid(self, "stalled_s", "must be finite and >= 0", got=str(self.stalled_s))
 
 
-Decision = Admit | AssignPools | Concurrency | Evaluate | RunState | SetMix | Stall
+@dataclass(frozen=True)
+class Divergence(Message):
+    """The controller's record that training reward rose while held-out accuracy fell over the
+    policy versions ``from_version``..``to_version`` (the signature of reward hacking or a verifier
+    bug: the policy gets better at what the reward pays for, worse at the task); published on
+    ``rl.<run>.control.controller.<instance>.divergence`` when the alarm fires and when it clears
+    (``firing`` False).  The trends are the change of a least-squares line across the readings of
+    the window, in reward units and in accuracy (a fraction)."""
+
+    KIND = "divergence"
+    firing: bool
+    reward_trend: float = 0.0  # change of the training reward's fitted line across the window
+    heldout_trend: float = 0.0  # change of held-out accuracy's fitted line across the window
+    from_version: int = 0
+    to_version: int = 0
+    heldout_readings: int = 0  # held-out rounds in the window
+    detail: str = ""  # what the controller saw, in words, and what to check
+
+    def validate(self) -> None:
+        for name in ("reward_trend", "heldout_trend"):
+            if not math.isfinite(getattr(self, name)):
+                raise invalid(self, name, "must be finite", got=str(getattr(self, name)))
+        if self.from_version < 0 or self.to_version < self.from_version:
+            raise invalid(self, "to_version", "needs 0 <= from_version <= to_version",
+                          got=f"{self.from_version}..{self.to_version}")
+        if self.heldout_readings < 0:
+            raise invalid(self, "heldout_readings", "must be >= 0", got=str(self.heldout_readings))
+
+
+Decision = Admit | AssignPools | Concurrency | Evaluate | RunState | SetMix | Stall | Divergence
 # The action name of each decision: the last token of its CONTROL subject.
-Action = Literal["admit", "assign_pools", "concurrency", "evaluate", "pause", "resume", "drain", "set_mix", "stall"]
+Action = Literal["admit", "assign_pools", "concurrency", "evaluate", "pause", "resume", "drain", "set_mix", "stall",
+                 "divergence"]
 
 
 def action_of(decision: Decision) -> Action:

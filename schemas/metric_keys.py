@@ -43,7 +43,8 @@ class GeneratorKeys:
 
 
 class TrainerKeys:
-    """Emitted by the trainer; read by the controller (state.py), ``rlbus up`` and ``rlbus status``."""
+    """Emitted by the trainer; read by the controller (state.py, divergence.py), ``rlbus up`` and
+    ``rlbus status``."""
 
     VERSION = "trainer/version"
     STEP = "trainer/step"
@@ -52,6 +53,9 @@ class TrainerKeys:
     PENDING_GROUPS = "trainer/pending_groups"  # kept, waiting for the next batch (now)
     IDLE_FRACTION = "trainer/idle_fraction"  # of wall time since start
     IDLE_S = "trainer/idle_s"  # cumulative seconds waiting for a batch (this process)
+    # Mean reward of the batch that made the heartbeat's version (step.py); the controller's
+    # divergence alarm reads it as the training reward.
+    REWARD_MEAN = "batch/reward_mean"
 
     @staticmethod
     def groups(outcome: str) -> str:

@@ -4,7 +4,8 @@ about each, and the controller's balance of trainer consumption C against effect
 Built from what is on the bus, so it works from any machine: the last heartbeat of every instance
 (METRICS), the last control decision of each kind (CONTROL) and the consumer state of every stream.
 A stall the controller reports (its last ``stall`` record on CONTROL, unless progress resumed since)
-is shown first among the notes, with its cause and what the controller saw.
+is shown first among the notes, with its cause and what the controller saw; so is a firing
+divergence alarm (its last ``divergence`` record: training reward up while held-out accuracy falls).
 ``build_snapshot`` and ``render`` are pure (tested without a server); ``--json`` prints the snapshot.
 """
 
@@ -131,7 +132,8 @@ def build_snapshot(run: str, heartbeats: Iterable[Any], streams: Iterable[Any], 
         admission["mix_measured_on"] = "trainer" if ctl.get("controller/mix_from_trainer", 0.0) else "generators"
     return {"run": run, "at": now, "instances": instances, "queues": queues, "balance": balance,
             "pools": _pools(ctl), "admission": admission,
-            "decisions": {k: v for k, v in last.items() if k.endswith("/all")}, "stalls": _stalls(decisions, now)}
+            "decisions": {k: v for k, v in last.items() if k.endswith("/all")}, "stalls": _stalls(decisions, now),
+            "divergences": _divergences(decisions)}
 
 
 def _stalls(decisions: Iterable[Any], now: float) -> dict[str, dict[str, Any]]:
@@ -145,6 +147,19 @@ def _stalls(decisions: Iterable[Any], now: float) -> dict[str, dict[str, Any]]:
                 "for_s": round(now - c.decision.since, 1) if c.decision.since else None,
                 "detail": c.decision.detail, "inputs": c.inputs}
             for i, c in sorted(last.items()) if c.decision.cause}
+
+
+def _divergences(decisions: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Per controller instance, the divergence alarm it reports now (its last ``divergence`` record,
+    unless that one cleared it): both trends, the versions they span, and what to check."""
+    last: dict[str, Any] = {}
+    for c in decisions:
+        if c.action == "divergence" and (c.target_instance not in last or c.seq > last[c.target_instance].seq):
+            last[c.target_instance] = c
+    return {i: {"reward_trend": _num(c.decision.reward_trend, 4), "heldout_trend": _num(c.decision.heldout_trend, 4),
+                "versions": [c.decision.from_version, c.decision.to_version],
+                "heldout_readings": c.decision.heldout_readings, "detail": c.decision.detail, "inputs": c.inputs}
+            for i, c in sorted(last.items()) if c.decision.firing}
 
 
 def _fmt(x: Any) -> str:
@@ -202,6 +217,8 @@ def render(snap: dict[str, Any]) -> list[Any]:
     out.append(queues)
     notes = [f"STALLED ({controller}): {st['cause']} for {_fmt(st['for_s'])}s: {st['detail']}"
              for controller, st in snap.get("stalls", {}).items()]
+    # The record's detail names both trends, their versions and what to check.
+    notes += [f"DIVERGING ({controller}): {d['detail']}" for controller, d in snap.get("divergences", {}).items()]
     if snap["admission"]:
         notes.append("admission: " + ", ".join(f"{k}={_fmt(v)}" for k, v in snap["admission"].items()))
     # Decisions addressed to every instance of a service (a mix request, a held-out round).

@@ -6,6 +6,8 @@ consumes:  rl.<run>.metrics.>                       (Heartbeat) every service's 
              decisions after it (``DecisionClock``)
            rl.<run>.control.controller.<instance|all>.set_mix  (Control ``SetMix``) a new target mix between pools
            consumer state of TASKS (per-pool backlog, held, redelivered) and SCORED (trainer pending)
+           rl.<run>.scored.<eval_pool>               (ScoredGroup) held-out results, every one from the stream's start:
+             each complete round is one held-out accuracy reading for the divergence alarm
 produces:  rl.<run>.control.generator.<instance>.<action>  (Control) ``Admit`` | ``AssignPools`` | ``Concurrency``
              | ``RunState`` (pause, resume, drain), each with its inputs and reason (the audit trail)
            rl.<run>.control.generator.all.evaluate   (Control ``Evaluate``) the record of each scheduled evaluation
@@ -16,6 +18,9 @@ produces:  rl.<run>.control.generator.<instance>.<action>  (Control) ``Admit`` |
              a ``SetMix`` on its own subject, or names a mix it cannot use (with the reason)
            rl.<run>.control.controller.<instance>.stall  (Control ``Stall``) no progress for ``stall_after`` seconds
              while work waits, with the likely cause (``stall.py``); an empty cause once progress resumes
+           rl.<run>.control.controller.<instance>.divergence  (Control ``Divergence``) training reward rising while
+             held-out accuracy falls over ``[controller.divergence] window`` versions (``divergence.py``), and
+             its end (``firing`` False)
 waits for: trainer and generator heartbeats; the stored decisions of the run before its first decision
 The decisions are made in ``planner.py`` from ``state.py``'s measurements with the pure law in
 ``law.py`` and ``balance.py`` (the simulator in ``bench/controller_sim.py`` runs the same law); this
@@ -33,8 +38,8 @@ from bus.protocol import Bus, BusError, Delivery
 from bus.subjects import SubjectError, Subjects
 from observability.logging import get_logger
 from observability.tracing import task_traces
-from schemas import Admit, Control, Heartbeat, SchemaError, SetMix, Task
-from schemas.control import Stall
+from schemas import Admit, Control, Divergence, Heartbeat, SchemaError, ScoredGroup, SetMix, Stall, Task
+from services.controller.divergence import DivergenceMonitor, HeldOutRounds
 from services.controller.law import TrainerView, eval_due
 from services.controller.planner import MixError, Planner
 from services.controller.settings import ControllerSettings
@@ -118,10 +123,12 @@ class ControlWatch:
     planner's clock (so its own next decisions sort after it); a request addressed to this controller
     is applied, or dead-lettered with the reason."""
 
-    def __init__(self, bus: Bus, subjects: Subjects, planner: Planner, instance: str) -> None:
+    def __init__(self, bus: Bus, subjects: Subjects, planner: Planner, instance: str,
+                 divergence: DivergenceMonitor | None = None) -> None:
         self.bus = bus
         self.subjects = subjects
         self.planner = planner
+        self.divergence = divergence  # told this controller's last divergence record, read back after a restart
         # Requests for this controller arrive on these prefixes; everything else is only observed.
         self.instance = instance
         self.requests_on = (subjects.control("controller", instance) + ".", subjects.control("controller", "all") + ".")
@@ -161,8 +168,11 @@ class ControlWatch:
                 await self._refuse(d, "bad_control", f"SchemaError: {exc}")
             return
         self.planner.observe(ctl)
-        if not mine or (isinstance(ctl.decision, Stall) and ctl.issuer in (self.instance, "")):
-            return  # a stall record is this controller's own report, read back
+        own = mine and ctl.issuer in (self.instance, "")
+        if own and isinstance(ctl.decision, Divergence) and self.divergence is not None:
+            self.divergence.restore(ctl.decision)
+        if not mine or (own and isinstance(ctl.decision, (Stall, Divergence))):
+            return  # a stall or divergence record is this controller's own report, read back
         try:
             check_subject(ctl, d.subject, self.subjects)
         except ControlRefused as exc:
@@ -197,20 +207,23 @@ class Controller:
         self.evals = evals
         self.beat = Beat(bus, self.subjects, "controller", cfg.instance)
         self.beat.extra = self.metrics
-        self.control = ControlWatch(bus, self.subjects, self.planner, cfg.instance)
+        self.divergence = DivergenceMonitor(cfg.divergence)
+        self.heldout = HeldOutRounds(len(evals.tasks))
+        self.control = ControlWatch(bus, self.subjects, self.planner, cfg.instance, self.divergence)
         self.stalls = StallWatch(cfg.stall_after, cfg.silent_after)
         self.invalid_decision = ""  # the last decision the planner could not build (logged once)
 
     def metrics(self) -> dict[str, float]:
-        """Its heartbeat: the planner's measurements, how long progress has stalled (0: it has not) and
-        how many heartbeat values it had to skip."""
-        return {**self.planner.metrics(), **self.stalls.metrics(time.time()),
+        """Its heartbeat: the planner's measurements, how long progress has stalled (0: it has not),
+        the divergence alarm and its trends, and how many heartbeat values it had to skip."""
+        return {**self.planner.metrics(), **self.stalls.metrics(time.time()), **self.divergence.metrics(),
                 "controller/heartbeat_values_skipped": self.planner.state.readings.skipped}
 
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
         """Every loop the service runs, for ``run_until_stopped``."""
+        held_out = (self.watch_heldout,) if self.evals.tasks else ()
         return (lambda: self.beat.loop(self.life), self.watch_metrics, self.control.watch, self.watch_queues,
-                self.decide)
+                *held_out, self.decide)
 
     # --- inputs ------------------------------------------------------------------------------
     async def watch_metrics(self) -> None:
@@ -230,9 +243,25 @@ class Controller:
                 continue
             try:
                 self.planner.state.observe(hb)
+                if hb.service == "trainer":
+                    self.divergence.observe_trainer(hb)
             except Exception as exc:  # noqa: BLE001 - a reading bug must cost this heartbeat, not the controller
                 log.exception("heartbeat_unusable", subject=d.subject, error=repr(exc))
                 await self.bus.dead_letter(d.subject, d.msg, reason="heartbeat_unusable", error=repr(exc))
+
+    async def watch_heldout(self) -> None:
+        """Held-out results from the stream's start, so a restarted controller judges on the rounds
+        already scored (the window needs several)."""
+        subject = self.subjects.scored(self.run_cfg.eval_pool)
+        async for d in self.bus.watch(subject, deliver="all"):
+            try:
+                reading = self.heldout.add(ScoredGroup.decode(d.msg))
+            except SchemaError:
+                continue  # the trainer never takes the eval pool; what is unreadable here harms no reading
+            if reading is not None:
+                self.divergence.observe_heldout(reading)
+                log.info("heldout_round", version=reading.version, accuracy=round(reading.accuracy, 4),
+                         rollouts=reading.n)
 
     async def watch_queues(self) -> None:
         while True:
@@ -267,6 +296,7 @@ class Controller:
             if due is not None:
                 await self.publish_eval(*due)
             await self.watch_progress()
+            await self.watch_divergence()
 
     async def watch_progress(self) -> None:
         """Report a stall (and its end) on CONTROL and in the log: never a silent one."""
@@ -283,6 +313,23 @@ class Controller:
             log.warning("stall", cause=record.cause, stalled_s=record.stalled_s, detail=record.detail)
         else:
             log.error("stall", cause=record.cause, stalled_s=record.stalled_s, detail=record.detail)
+
+    async def watch_divergence(self) -> None:
+        """Report the reward/held-out divergence alarm (and its end) on CONTROL and in the log."""
+        record = self.divergence.check()
+        if record is None:
+            return
+        t = self.divergence.trends
+        inputs = {"window": self.cfg.divergence.window, "reward_readings": t.reward.n if t.reward else 0,
+                  "reward_se": t.reward.se if t.reward else None, "heldout_se": t.heldout.se if t.heldout else None}
+        await self.publish(self.planner.record(record, record.detail, inputs, time.time()))
+        if record.firing:
+            log.warning("reward_heldout_divergence", reward_trend=record.reward_trend,
+                        heldout_trend=record.heldout_trend, versions=f"{record.from_version}..{record.to_version}",
+                        detail=record.detail)
+        else:
+            log.info("divergence_cleared", reward_trend=record.reward_trend, heldout_trend=record.heldout_trend,
+                     detail=record.detail)
 
     def step(self) -> list[Control]:
         try:

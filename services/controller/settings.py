@@ -2,6 +2,7 @@
 
 from pydantic import Field, field_validator
 
+from services.controller.divergence import DivergenceConfig
 from services.runtime.config import Settings
 
 
@@ -27,6 +28,11 @@ class ControllerSettings(Settings):
         120.0, gt=0, description="Seconds without progress (no group trained, dropped, held or published, no new "
                                  "version) before the controller reports a stall and its likely cause (CONTROL "
                                  "'stall' record, `rlbus status`, an error in its log).")
+    divergence: DivergenceConfig = Field(
+        default_factory=DivergenceConfig,
+        description="[controller.divergence] table: the alarm that fires when training reward rises while held-out "
+                    "accuracy falls over a window of versions (reward hacking, verifier bugs; "
+                    "services/controller/divergence.py).  Needs held-out rounds (eval_tasks, eval_every).")
 
     @field_validator("pool_mix")
     @classmethod

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from schemas.metric_keys import TrainerKeys
 from services.policy.logprobs import LogprobInputError, check_sequences, completion_logprobs, shared_prefix_logprobs
 from services.policy.sampling import SamplingParams
 from services.trainer.advantages import group_advantages
@@ -67,7 +68,7 @@ def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedS
                                   advantage=float(adv[g, i]), staleness=d.staleness[i], sampling=params))
     trained = valid.sum().item()
     stats = {"batch/groups": len(batch), "batch/rollouts_trained": trained,
-             "batch/reward_mean": float(rewards[base].mean()) if base.any() else 0.0,
+             TrainerKeys.REWARD_MEAN: float(rewards[base].mean()) if base.any() else 0.0,
              "batch/accuracy": float((rewards[base] >= 1.0).float().mean()) if base.any() else 0.0,
              "batch/completion_len": float(np.mean([len(s.completion) for s in seqs])) if seqs else 0.0}
     return seqs, stats

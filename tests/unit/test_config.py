@@ -13,6 +13,7 @@ import pytest
 from pydantic import Field, ValidationError
 
 from services.broadcast.settings import BroadcastSettings
+from services.controller.divergence import DivergenceConfig
 from services.controller.settings import ControllerSettings
 from services.environment.settings import EnvironmentSettings
 from services.generator.settings import GeneratorSettings
@@ -51,7 +52,8 @@ FROZEN_KEYS: dict[type, list[str]] = {
     EnvironmentSettings: ["instance"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "keep_eval_versions", "in_use_ttl"],
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
-                         "refresh", "pool_mix", "route_period", "tau", "stall_after"],
+                         "refresh", "pool_mix", "route_period", "tau", "stall_after", "divergence"],
+    DivergenceConfig: ["window", "reward_rise", "heldout_drop", "min_heldout", "min_steps", "z"],
     UpSettings: ["train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
                  "max_new_tokens", "temperature", "init_target", "shutdown_grace"],
 }

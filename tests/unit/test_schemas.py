@@ -26,6 +26,7 @@ from schemas import (
     Control,
     DeadLetter,
     DecisionClock,
+    Divergence,
     EnvReply,
     EnvReplyBatch,
     EnvReset,
@@ -44,6 +45,7 @@ from schemas import (
     ScoredRollout,
     SetMix,
     Shard,
+    Stall,
     Task,
     TensorMeta,
     WeightManifest,
@@ -117,6 +119,11 @@ SAMPLES: dict[type[Message], object] = {
     Evaluate: lambda: Evaluate(version=10, tasks=200),
     RunState: lambda: RunState(state="drain", boot="b1"),
     SetMix: lambda: SetMix(mix={"code": 0.4, "math": 0.6}),
+    Stall: lambda: Stall(cause="trainer_silent", stalled_s=130.5, since=1.7e9,
+                         detail="the trainer is silent for 130s (last version 4); start or restart it"),
+    Divergence: lambda: Divergence(firing=True, reward_trend=0.25, heldout_trend=-0.125, from_version=10,
+                                   to_version=60, heldout_readings=6,
+                                   detail="training reward +0.25 while held-out accuracy -0.125"),
     Control: lambda: Control(seq=1_700_000_000_000_007, decision=Admit(boot="b1", grant_total=40, min_version=2),
                              target_service="generator", target_instance="gen-0",
                              reason="allowed=(V=2+s=1+1)*B=8+dropped=3=35",
@@ -313,8 +320,10 @@ def test_a_control_carries_one_typed_decision_and_its_action_follows_from_it():
     assert back.msg_id == "ctl.generator.gen-0.admit.1700000000000007"
     actions = {Control(seq=1, decision=d, target_service="generator").action
                for d in (RunState(state="pause"), RunState(state="resume"), RunState(state="drain"),
-                         SAMPLES[AssignPools](), SAMPLES[Concurrency](), SAMPLES[Evaluate](), SAMPLES[SetMix]())}
-    assert actions == {"pause", "resume", "drain", "assign_pools", "concurrency", "evaluate", "set_mix"}
+                         SAMPLES[AssignPools](), SAMPLES[Concurrency](), SAMPLES[Evaluate](), SAMPLES[SetMix](),
+                         SAMPLES[Stall](), SAMPLES[Divergence]())}
+    assert actions == {"pause", "resume", "drain", "assign_pools", "concurrency", "evaluate", "set_mix", "stall",
+                       "divergence"}
 
 
 def test_an_unknown_decision_kind_is_refused_and_named():
@@ -327,7 +336,7 @@ def test_an_unknown_decision_kind_is_refused_and_named():
 @pytest.mark.parametrize(("decision", "field", "value"), [
     (Admit, "grant_total", -1), (Admit, "boot", ""), (Concurrency, "max_groups", 0), (Evaluate, "tasks", -5),
     (AssignPools, "pools", []), (AssignPools, "shares", {"nope": 1.0}), (SetMix, "mix", {"a": 0.0}),
-    (SetMix, "mix", {"a": math.nan}),
+    (SetMix, "mix", {"a": math.nan}), (Divergence, "heldout_trend", math.inf), (Divergence, "to_version", 3),
 ])
 def test_a_decision_that_breaks_its_own_rules_is_refused_on_decode(decision, field, value):
     w = wire(Control(seq=1, decision=SAMPLES[decision](), target_service="generator"))

@@ -7,7 +7,7 @@ import json
 from rich.console import Console
 
 from bus.protocol import ConsumerState, StreamState
-from schemas import Admit, AssignPools, Control, Heartbeat, RunState, SetMix
+from schemas import Admit, AssignPools, Control, Divergence, Heartbeat, RunState, SetMix
 from services.commands.status import build_snapshot, render
 
 NOW = 1000.0
@@ -82,3 +82,21 @@ def test_an_empty_run_renders_without_a_controller_or_trainer():
     snap = build_snapshot("r", [], [], [], now=NOW)
     assert snap["instances"] == {} and snap["pools"] == {} and snap["admission"] == {}
     Console(record=True).print(*render(snap))
+
+
+def test_a_firing_divergence_alarm_is_shown_until_the_controller_clears_it():
+    hbs, streams, decisions = fixtures()
+    fired = Control(seq=6, decision=Divergence(firing=True, reward_trend=0.3, heldout_trend=-0.2, from_version=2,
+                                               to_version=12, heldout_readings=3,
+                                               detail="training reward +0.300 ... check reward hacking"),
+                    target_service="controller", target_instance="controller-0", issued_at=NOW - 1,
+                    issuer="controller-0")
+    snap = build_snapshot("r", hbs, streams, [*decisions, fired], now=NOW)
+    assert snap["divergences"]["controller-0"]["versions"] == [2, 12]
+    assert snap["divergences"]["controller-0"]["heldout_trend"] == -0.2
+    console = Console(record=True, width=200)
+    console.print(*render(snap))
+    assert "DIVERGING (controller-0): training reward +0.300 ... check reward hacking" in console.export_text()
+    cleared = Control(seq=7, decision=Divergence(firing=False), target_service="controller",
+                      target_instance="controller-0", issuer="controller-0")
+    assert build_snapshot("r", hbs, streams, [*decisions, cleared, fired], now=NOW)["divergences"] == {}
