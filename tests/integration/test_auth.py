@@ -183,6 +183,20 @@ async def env_request_answered(secured: Any, bus: S) -> None:
         await env.close()
 
 
+async def env_replica_step_answered(secured: Any, bus: S) -> None:
+    """An episode's later steps go to the replica that holds it: its own subject, no queue group."""
+    env = await connect(secured, "environment")
+    try:
+        async def echo(data: bytes) -> bytes:
+            return b"env-1:" + data
+
+        await env.serve(subjects().env_step_of("env-1"), echo, queue="")
+        await env.connection.nc.flush()
+        assert await bus.request(subjects().env_step("calculator", "env-1"), b"t2", timeout=5.0) == b"env-1:t2"
+    finally:
+        await env.close()
+
+
 async def gen_watches_weights(secured: Any, bus: S) -> None:
     await feed(secured, subjects().weights(MODEL))
     await watch_first(bus, subjects().weights(MODEL))
@@ -243,6 +257,7 @@ ALLOWED: list[tuple[str, str, Action]] = [
     ("generator", "publish a rollout", pub(lambda: subjects().rollouts("train"))),
     ("generator", "publish its heartbeat", pub(lambda: subjects().metrics("generator", "0"))),
     ("generator", "request an environment step", env_request_answered),
+    ("generator", "request a step of the replica holding an episode", env_replica_step_answered),
     ("generator", "watch and read the weights", gen_watches_weights),
     ("generator", "watch its control subjects", gen_watches_control),
     ("generator", "put, get and delete an object", objects_round_trip),
@@ -284,6 +299,9 @@ FORBIDDEN: list[tuple[str, str, Action, str]] = [
     ("trainer", "publish a weight version (only uploads)", pub(lambda: subjects().weights(MODEL)), "publish"),
     ("trainer", "publish a task", pub(lambda: subjects().tasks("train")), "publish"),
     ("environment", "publish a rollout", pub(lambda: subjects().rollouts("train")), "publish"),
+    # Serving steps is subscribing: an environment never requests one (of itself or another replica).
+    ("environment", "request a replica's step", pub(lambda: subjects().env_step("calculator", "env-1")), "publish"),
+    ("reward", "request a replica's step", pub(lambda: subjects().env_step("calculator", "env-1")), "publish"),
     ("environment", "publish control", pub(lambda: subjects().control_action("generator", "all", "pause")), "publish"),
     ("controller", "publish a scored group", pub(lambda: subjects().scored("train")), "publish"),
     ("controller", "publish a training task", pub(lambda: subjects().tasks("train")), "publish"),
