@@ -163,8 +163,9 @@ class _Parser:
         tok = self._take()
         if tok == "(":
             value = self._nested(self._expr)
-            if self._take() != ")":
+            if self._peek() != ")":
                 raise CalcError("a '(' is not closed")
+            self._take()
             return value
         if tok.isdigit():
             return _bounded(Fraction(int(tok)))
