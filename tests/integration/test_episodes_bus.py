@@ -237,3 +237,16 @@ async def test_python_killing_its_parent_leaves_the_service_serving(python_env):
     await python_env.run(KILL_PARENT)
     os.kill(os.getpid(), 0)  # the test process hosting the environment service is alive
     await python_env.still_serves()
+
+
+@needs_sandbox
+async def test_the_service_answers_other_episodes_while_a_program_runs(python_env):
+    """A sandbox run is awaited, not run on the event loop: calculator turns are answered meanwhile."""
+    slow = asyncio.create_task(python_env.run("import time\ntime.sleep(3)\nprint('woke')"))
+    await asyncio.sleep(0.3)
+    for i in range(5):
+        reply = await request(python_env.bus, python_env.subjects.env("calculator", "step"),
+                              step(1, "calc(2*21)", f"quick-{i}"))
+        assert reply.observation_text == "=42 "
+    assert not slow.done()  # every quick turn was answered while the program still slept
+    assert "woke" in (await slow).observation_text
