@@ -21,9 +21,12 @@ The expression is evaluated by a small recursive-descent parser over exact ratio
 
 from __future__ import annotations
 
+import hashlib
+import random
 import re
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Literal
 
 ENV_NAME = "calculator"
 TERMS = 4
@@ -36,6 +39,11 @@ MAX_ABS = 10**18  # values past it are refused: a chain of products must not gro
 _ROUND = re.compile(r"calc\(([^=]*)\)=(-?\d+(?:/\d+)?) ")
 
 
+OPERAND_MIN, OPERAND_MAX = 100, 999
+HELDOUT_MODULUS = 10  # one multiset of terms in ten is held out
+Split = Literal["train", "heldout"]
+
+
 class CalcError(ValueError):
     """The tool call cannot be evaluated; the message says what was wrong (shown to the policy)."""
 
@@ -44,6 +52,53 @@ class CalcError(ValueError):
 class ToolCall:
     expression: str
     before: str  # the turn's text before the call (the policy's own working)
+
+
+@dataclass(frozen=True)
+class CalculatorTask:
+    task_id: str
+    terms: tuple[int, ...]
+
+    @property
+    def prompt(self) -> str:
+        return render_prompt(list(self.terms))
+
+    @property
+    def answer(self) -> str:
+        return answer_of(list(self.terms))
+
+    def record(self, sampling: dict[str, object] | None = None) -> dict[str, object]:
+        """The rlbus task-file shape of this task (one JSON line of a task file)."""
+        out: dict[str, object] = {"task_id": self.task_id, "prompt": self.prompt, "env": ENV_NAME,
+                                  "env_config": {"terms": list(self.terms)}, "answer": self.answer}
+        if sampling:
+            out["sampling"] = dict(sampling)
+        return out
+
+
+def split_of(terms: tuple[int, ...]) -> Split:
+    """Which split a multiset of terms belongs to: by a hash of the sorted terms, so a held-out sum's
+    reorderings are held out too, for every seed and size."""
+    digest = hashlib.blake2b("+".join(map(str, sorted(terms))).encode(), digest_size=8).digest()
+    return "heldout" if int.from_bytes(digest, "big") % HELDOUT_MODULUS == 0 else "train"
+
+
+def make_split(split: Split, n: int, seed: int) -> list[CalculatorTask]:
+    """``n`` distinct tasks of ``split``: the same list for the same (split, n, seed)."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"unknown split {split!r}: use 'train' or 'heldout'")
+    if not 0 <= n <= 100_000:
+        raise ValueError(f"n={n} is out of range: use 0 <= n <= 100000")
+    rng = random.Random(f"{ENV_NAME}:{split}:{seed}")
+    seen: set[tuple[int, ...]] = set()
+    tasks = []
+    while len(tasks) < n:
+        terms = tuple(rng.randint(OPERAND_MIN, OPERAND_MAX) for _ in range(TERMS))
+        if terms in seen or split_of(terms) != split:
+            continue
+        seen.add(terms)
+        tasks.append(CalculatorTask(task_id="calc-" + "-".join(map(str, terms)), terms=terms))
+    return tasks
 
 
 def render_prompt(terms: list[int]) -> str:

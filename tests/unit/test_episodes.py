@@ -89,6 +89,19 @@ def test_observation_and_final_answer_format():
     assert final_answer("1469") == "1469"  # no tool: the whole text is the answer
 
 
+def test_calculator_tasks_split_by_their_terms_and_repeat_under_a_seed():
+    from services.tasks.calculator import make_split, split_of
+
+    train, held = make_split("train", 200, seed=1), make_split("heldout", 50, seed=1)
+    assert train == make_split("train", 200, seed=1) and train != make_split("train", 200, seed=2)
+    assert not {tuple(sorted(t.terms)) for t in train} & {tuple(sorted(t.terms)) for t in held}
+    assert all(split_of(t.terms[::-1]) == "heldout" for t in held)  # a reordering stays held out
+    rec = held[0].record({"max_new_tokens": 24})
+    assert rec["env"] == "calculator" and rec["answer"] == str(sum(held[0].terms))
+    assert rec["prompt"] == "+".join(map(str, held[0].terms)) + "=" and rec["env_config"] == {"terms": list(held[0].terms)}
+    Task(run="t", pool="train", **rec)  # a valid task as it stands
+
+
 # ---------------------------------------------------------------------------------------
 # the calculator verifier: the final answer, never the tool's output
 
