@@ -349,3 +349,38 @@ def test_episodic_environments_are_registered(codec):
                                              env_config={"terms": ["1", 2, 3, 4]}), "e")
     reply = CalculatorEnv(codec).reset(calc_task(prompt="", prompt_ids=np.array([1, 5], dtype="<i4")), "e")
     assert reply.observation_text == "123+456+789+101=" and reply.episodic
+
+
+async def test_the_service_routes_an_episode_on_the_in_memory_bus(tmp_path, codec):
+    """The service's wiring, as the generator's unit tests see it: turn 1 on the queue subject,
+    turn 2 on the replica's own subject."""
+    import asyncio
+
+    from bus.memory import MemoryBus
+    from bus.protocol import RequestFailed
+    from services.environment import service as env_service
+    from services.environment.settings import EnvironmentSettings
+    from services.policy.tokenizer import build_char_tokenizer
+    from services.runtime.config import RunSettings
+    from services.runtime.lifecycle import Lifecycle
+
+    build_char_tokenizer().save_pretrained(tmp_path / "policy")
+    bus, life = MemoryBus("demo"), Lifecycle(grace=1.0)
+    run_cfg = RunSettings(run="demo", model_path=str(tmp_path / "policy"), run_dir=str(tmp_path))
+    service = asyncio.create_task(env_service.run(run_cfg, EnvironmentSettings(instance="env-m"), bus=bus, life=life))
+    try:
+        for _ in range(500):  # until it serves
+            try:
+                first = EnvReply.decode(await bus.request(bus.subjects.env("calculator", "step"),
+                                                          step(1, "calc(120+3)").encode(), timeout=2.0))
+                break
+            except RequestFailed:
+                await asyncio.sleep(0.01)
+        assert (first.replica, first.observation_text) == ("env-m", "=123 ")
+        last = EnvReply.decode(await bus.request(bus.subjects.env_step("calculator", "env-m"),
+                                                 step(2, "1469").encode(), timeout=2.0))
+        assert (last.done, last.finish_reason) == (True, "done")
+    finally:
+        life.shutdown()
+        await asyncio.wait_for(service, 5)
+        await bus.close()
