@@ -15,12 +15,16 @@ dataflow contract; the JetStream API subjects follow what the bus does for it (`
 
 | role        | publishes                              | consumes (durable)         | watches / reads last   | bucket |
 |-------------|----------------------------------------|----------------------------|------------------------|--------|
-| generator   | rollouts, env requests                 | TASKS generator_<pool>     | WEIGHTS, CONTROL       | yes    |
+| generator   | rollouts, env requests, replica steps  | TASKS generator_<pool>     | WEIGHTS, CONTROL       | yes    |
 | environment | replies to env requests only           | (core request/reply)       |                        | no     |
 | reward      | scored                                 | ROLLOUTS reward            |                        | yes    |
 | trainer     | weight uploads (UPLOADS)               | SCORED trainer             | WEIGHTS (last)         | yes    |
 | broadcast   | weight versions                        | UPLOADS broadcast          | WEIGHTS, METRICS, CONTROL | yes |
 | controller  | control decisions, eval-pool tasks     |                            | CONTROL, METRICS, stream state | no |
+
+The environment subscribes to the env request subjects in its queue group and to every replica's
+step subject ``env.*.step.*`` (an episode's later steps go to the replica holding it; one user
+serves all replicas, so the grant cannot name one instance); the generator may request both.
 
 Every service also publishes its own heartbeats (``metrics.<role>.*``) and dead letters, and pulls,
 for each durable it consumes, that durable's own max-deliveries advisory durable on ADVISORIES
@@ -103,10 +107,12 @@ class RunPermissions:
         if role == "generator":
             self.consume(g, "TASKS", [s.durable("generator", p) for p in self.pools])
             self.watch(g, "WEIGHTS", "CONTROL")
-            g.pub(*(s.rollouts(p) for p in self.pools), *(s.env_any(op) for op in ENV_OPS))
+            g.pub(*(s.rollouts(p) for p in self.pools), *(s.env_any(op) for op in ENV_OPS), self.replica_steps())
             self.bucket(g)
         elif role == "environment":
-            g.sub(*(s.env_any(op) for op in ENV_OPS))
+            # Its replica's own step subject too; one user serves every replica (the instance names
+            # are not known here), so the grant covers every replica's step subject.
+            g.sub(*(s.env_any(op) for op in ENV_OPS), self.replica_steps())
             g.allow_responses = True  # its replies go to the requester's inbox, once each
         elif role == "reward":
             self.consume(g, "ROLLOUTS", [s.durable("reward")])
@@ -130,6 +136,10 @@ class RunPermissions:
         else:
             raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")
         return g
+
+    def replica_steps(self) -> str:
+        """Every environment replica's own step subject (``Subjects.env_step``): an episode's later steps."""
+        return f"{self.s.env_any('step')}.*"
 
     # --- building blocks ------------------------------------------------------------------
     def service_base(self, role: str) -> Grant:

@@ -2,12 +2,22 @@
 
 Token-in/token-out so multi-turn tool environments fit the same interface: ``reset`` returns
 the first observation (the prompt), ``step`` returns what to append after the policy's action
-and whether the episode is over.  The single-turn verifiable environment ends after one step.
+and whether the episode is over.  Two kinds:
+
+- single-turn (``Environment``): ``step`` ends the episode after one completion; no state.
+- episodic (``EpisodicEnvironment``, ``episodic = True``): ``open`` makes an episode's state at its
+  first step, ``step(state, action_text, budget_s)`` answers one policy turn with a ``Turn`` (text,
+  not ids: the service encodes it, so no environment can prepend a BOS or drift from the codec),
+  ``close`` frees the state.  The service (``episodes.EpisodeHost``) keeps the state between turns
+  and enforces the task's limits; ``step`` raises ``PolicyError`` for a turn that is the policy's
+  fault (a malformed or unknown tool call), and any other exception is an environment failure.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -20,22 +30,49 @@ class EnvError(RuntimeError):
     """The environment cannot serve this task (bad config, bad prompt); not retryable."""
 
 
+class PolicyError(Exception):
+    """The policy's turn is malformed or calls an unknown tool: the episode ends (finish reason
+    ``policy_error``) and is scored as usual.  The message says what was wrong."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """An episodic environment's answer to one policy turn."""
+
+    observation: str = ""  # text appended after the turn (encoded by the service, no BOS)
+    done: bool = False
+    finish_reason: str = ""  # with done: one of schemas.env.EPISODE_ENDS
+    tool_s: float = 0.0  # seconds the tools spent on this turn (summed against Task.limits.max_tool_s)
+
+
 class Environment(Protocol):
     def reset(self, task: Task, episode_id: str) -> EnvReply: ...
 
     def step(self, task: Task, episode_id: str, action_ids: np.ndarray, action_text: str) -> EnvReply: ...
 
 
-ENVIRONMENTS: Registry[Environment] = Registry("environment")
+class EpisodicEnvironment(Protocol):
+    episodic: ClassVar[bool]  # True
+
+    def reset(self, task: Task, episode_id: str) -> EnvReply: ...
+
+    def open(self, task: Task, episode_id: str) -> Any: ...
+
+    async def step(self, state: Any, action_text: str, budget_s: float) -> Turn: ...
+
+    def close(self, state: Any) -> None: ...
+
+
+ENVIRONMENTS: Registry[Environment | EpisodicEnvironment] = Registry("environment", lazy={
+    "python": "services.environment.code:PythonEnv", "code-tests": "services.environment.code:CodeTestsEnv"})
 
 
 def _ids(x: list[int]) -> np.ndarray:
     return np.asarray(x, dtype="<i4")
 
 
-@ENVIRONMENTS.register("single_turn")
-class SingleTurnEnv:
-    """Prompt in, one completion out, done.  Scoring is the reward service's job."""
+class PromptEnv:
+    """Renders a task's prompt as the policy sees it (``reset``); the base of every environment here."""
 
     def __init__(self, codec: TextCodec) -> None:
         self.codec = codec
@@ -56,7 +93,13 @@ class SingleTurnEnv:
         ids = self.prompt_ids(task)
         if len(ids) <= (1 if self.codec.bos_id is not None else 0):
             raise EnvError(f"task {task.task_id!r} has an empty prompt after tokenisation")
-        return EnvReply(episode_id=episode_id, observation_ids=_ids(ids), observation_text=self.render(task))
+        return EnvReply(episode_id=episode_id, observation_ids=_ids(ids), observation_text=self.render(task),
+                        episodic=getattr(self, "episodic", False))
+
+
+@ENVIRONMENTS.register("single_turn")
+class SingleTurnEnv(PromptEnv):
+    """Prompt in, one completion out, done.  Scoring is the reward service's job."""
 
     def step(self, task: Task, episode_id: str, action_ids: np.ndarray, action_text: str) -> EnvReply:
         return EnvReply(episode_id=episode_id, done=True)
@@ -80,3 +123,48 @@ class AdditionEnv(SingleTurnEnv):
 @ENVIRONMENTS.register("math")
 class MathEnv(SingleTurnEnv):
     """Free-form math word problems: the prompt text as is; answers checked by math-verify."""
+
+
+@dataclass
+class CalculatorEpisode:
+    task: Task
+    calls: int = 0
+
+
+@ENVIRONMENTS.register("calculator")
+class CalculatorEnv(PromptEnv):
+    """The sum of four 3-digit numbers with an arithmetic tool; the format is
+    ``services.tasks.calculator``'s (``calc(EXPR)`` answered by ``=VALUE ``)."""
+
+    episodic: ClassVar[bool] = True
+
+    def render(self, task: Task) -> str:
+        from services.tasks.calculator import TERMS, render_prompt
+
+        if task.prompt:
+            return task.prompt
+        terms = task.env_config.get("terms")
+        if not (isinstance(terms, list) and len(terms) == TERMS and all(type(t) is int for t in terms)):
+            raise EnvError(f"calculator task {task.task_id!r} needs a prompt or env_config {{terms: [{TERMS} "
+                           f"integers]}}, got terms={terms!r:.80}")
+        return render_prompt(terms)
+
+    def open(self, task: Task, episode_id: str) -> CalculatorEpisode:
+        return CalculatorEpisode(task)
+
+    async def step(self, state: CalculatorEpisode, action_text: str, budget_s: float) -> Turn:
+        from services.tasks.calculator import CalcError, evaluate, find_call, observation
+
+        t0 = time.perf_counter()
+        try:
+            call = find_call(action_text)
+            if call is None:
+                return Turn(done=True, finish_reason="done")
+            value = evaluate(call.expression)
+        except CalcError as exc:
+            raise PolicyError(f"calculator: {exc}") from None
+        state.calls += 1
+        return Turn(observation=observation(value), tool_s=time.perf_counter() - t0)
+
+    def close(self, state: CalculatorEpisode) -> None:
+        """Nothing to free: the state is the turn count."""

@@ -5,24 +5,32 @@ produces:  rl.<run>.scored.<pool>    (ScoredGroup)   msg id 'scored.<task_id>' (
 waits for: nothing
 unblocked by: generators publishing groups
 A verifier exception marks that rollout ``verifier_error`` (excluded by the trainer, counted);
+a rollout whose episode ended on an environment failure (``Rollout.env_error``) is marked
+``env_failure`` and not scored (excluded the same way: ``ScoredRollout.valid``); tampering a
+verifier detects is scored 0 with its reason in ``verifier_detail`` and counted;
 an unknown verifier name poisons the group to DEAD with the registered names.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
+from typing import TYPE_CHECKING
 
 from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
 from bus.subjects import Subjects, pool_of
 from observability import tracing
 from observability.logging import get_logger
-from schemas import RolloutGroup, ScoredGroup, ScoredRollout
+from schemas import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, Task
 from services.reward.settings import RewardSettings
-from services.reward.verifiers import VERIFIERS, verifier_for
+from services.reward.verifiers import VERIFIERS, Verifier, verifier_for
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.registry import UnknownExtension
+
+if TYPE_CHECKING:
+    from services.sandbox import Sandbox
 
 log = get_logger()
 
@@ -33,34 +41,72 @@ class Scorer:
         self.groups = 0
         self.rollouts = 0
         self.verifier_errors = 0
+        self.env_failures = 0
+        self.tampering = 0
         self.reward_sum = 0.0
+        self.scored_rollouts = 0  # those with a trusted reward (the mean's denominator)
+        self._verifiers: dict[str, Verifier] = {}
+        self._sandbox: Sandbox | None = None
 
-    def score(self, group: RolloutGroup) -> ScoredGroup:
-        name = verifier_for(group.task)
-        try:
-            verifier = VERIFIERS.create(name)
-        except UnknownExtension as exc:
-            raise Poison(str(exc)) from None
-        scored = []
-        for r in group.rollouts:
+    def verifier(self, name: str) -> Verifier:
+        """One instance per verifier name, kept: a sandboxed one holds the sandbox's run dirs."""
+        if name not in self._verifiers:
             try:
-                v = verifier(group.task, r)
-                reward = v.reward + self.cfg.format_weight * v.components.get("format", 0.0)
-                scored.append(ScoredRollout(rollout=r, reward=reward, components=v.components, verifier_detail=v.detail))
-                self.reward_sum += reward
-            except Exception as exc:  # a verifier bug must not kill the service or score 0
-                self.verifier_errors += 1
-                log.warning("verifier_error", verifier=name, rollout=r.rollout_id, error=repr(exc))
-                scored.append(ScoredRollout(rollout=r, reward=0.0, verifier_error=f"{name}: {exc!r}"))
+                factory = VERIFIERS.get(name)
+            except UnknownExtension as exc:
+                raise Poison(str(exc)) from None
+            if getattr(factory, "sandboxed", False):
+                if self._sandbox is None:
+                    from services.sandbox import Sandbox
+
+                    self._sandbox = Sandbox(self.cfg.sandbox)
+                    log.info("sandbox_ready", isolation=self._sandbox.isolation.describe())
+                self._verifiers[name] = factory(sandbox=self._sandbox)
+            else:
+                self._verifiers[name] = factory()
+        return self._verifiers[name]
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+
+    async def score(self, group: RolloutGroup) -> ScoredGroup:
+        name = verifier_for(group.task)
+        verifier = self.verifier(name)
+        scored = [await self._one(name, verifier, group.task, r) for r in group.rollouts]
         self.groups += 1
         self.rollouts += len(scored)
         return ScoredGroup(task=group.task, scored=scored, sampling=group.sampling, generator_id=group.generator_id,
                            created_at=group.created_at, scored_at=time.time())
 
+    async def _one(self, name: str, verifier: Verifier, task: Task, r: Rollout) -> ScoredRollout:
+        if r.env_error:
+            # The environment failed, not the policy: excluded from the loss (``valid`` is False),
+            # never scored, so its reward 0 below is a placeholder no one trains on.
+            self.env_failures += 1
+            return ScoredRollout(rollout=r, reward=0.0, env_failure=True,
+                                 verifier_detail=f"environment failure, not scored: {r.env_error}"[:2000])
+        try:
+            v = verifier(task, r)
+            if inspect.isawaitable(v):
+                v = await v
+            reward = v.reward + self.cfg.format_weight * v.components.get("format", 0.0)
+            out = ScoredRollout(rollout=r, reward=reward, components=v.components, verifier_detail=v.detail)
+        except Exception as exc:  # a verifier bug (a NaN reward included) must not kill the service or score 0
+            self.verifier_errors += 1
+            log.warning("verifier_error", verifier=name, rollout=r.rollout_id, error=repr(exc))
+            return ScoredRollout(rollout=r, reward=0.0, verifier_error=f"{name}: {exc!r}")
+        if v.components.get("tampering"):
+            self.tampering += 1
+            log.warning("reward_tampering", verifier=name, rollout=r.rollout_id, detail=v.detail[:500])
+        self.reward_sum += reward
+        self.scored_rollouts += 1
+        return out
+
     def metrics(self) -> dict[str, float]:
         return {"reward/groups": self.groups, "reward/rollouts": self.rollouts,
-                "reward/verifier_errors": self.verifier_errors,
-                "reward/mean": self.reward_sum / max(self.rollouts, 1)}
+                "reward/verifier_errors": self.verifier_errors, "reward/env_failures": self.env_failures,
+                "reward/tampering": self.tampering, "reward/mean": self.reward_sum / max(self.scored_rollouts, 1)}
 
 
 class RewardService:
@@ -80,7 +126,7 @@ class RewardService:
         # Under the bus's process span, in the group's task trace; the scored group is published
         # from inside, so the trainer's link points at this span's trace.
         with tracing.child_span(f"score {group.task.task_id}") as span:
-            scored = self.scorer.score(group)
+            scored = await self.scorer.score(group)
             rewards = [s.reward for s in scored.scored]
             for k, v in {tracing.RUN: group.task.run, tracing.TASK_ID: group.task.task_id,
                          tracing.POOL: group.task.pool, tracing.ROLLOUT_COUNT: len(rewards),
@@ -100,4 +146,7 @@ async def run(run_cfg: RunSettings, cfg: RewardSettings, *, bus: Bus, life: Life
     beat = Beat(bus, service.subjects, "reward", cfg.instance)
     beat.extra = service.scorer.metrics
     beat.state = "running"
-    await run_until_stopped(life, lambda: beat.loop(life), service.consume)
+    try:
+        await run_until_stopped(life, lambda: beat.loop(life), service.consume)
+    finally:
+        service.scorer.close()

@@ -2,11 +2,15 @@
 
 A verifier that raises does not score the rollout 0: the reward service marks it
 ``verifier_error`` and the trainer excludes it (a crash is not evidence the answer was wrong).
+A verifier that runs code returns an awaitable verdict (the reward service awaits it, so the
+service keeps scoring other groups while a program runs) and says ``sandboxed = True``: the
+service then builds it with its one ``Sandbox``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,7 +26,7 @@ class Verdict:
 
 
 class Verifier(Protocol):
-    def __call__(self, task: Task, rollout: Rollout) -> Verdict: ...
+    def __call__(self, task: Task, rollout: Rollout) -> Verdict | Awaitable[Verdict]: ...
 
 
 VERIFIERS: Registry[Verifier] = Registry("verifier")
@@ -73,3 +77,75 @@ class MathVerifier:
 def verifier_for(task: Task) -> str:
     """The verifier a task asks for, or its environment's default (same name)."""
     return task.verifier or task.env
+
+
+@VERIFIERS.register("calculator")
+class CalculatorVerifier:
+    """Exact match of the *final answer* (the text after the last tool round) with the true sum.
+
+    A tool's output is never the answer: a rollout whose last tokens are an observation (it ended
+    on a tool round, e.g. at max_turns) or whose final turn only repeats a tool round scores 0,
+    however right the tool's value was."""
+
+    def __call__(self, task: Task, rollout: Rollout) -> Verdict:
+        from services.tasks.calculator import final_answer, score
+
+        if not task.answer:
+            raise ValueError(f"calculator task {task.task_id!r} carries no reference answer")
+        answer = final_answer(rollout.text)
+        ended_on_tool = len(rollout.loss_mask) > 0 and int(rollout.loss_mask[-1]) == 0
+        correct = 0.0 if ended_on_tool else score(task.answer, rollout.text)
+        tools = 1.0 if answer != rollout.text else 0.0
+        why = "the episode ended on a tool's output, with no final answer; " if ended_on_tool else ""
+        return Verdict(correct, {"correct": correct, "used_tool": tools},
+                       f"{why}expected {task.answer!r}, final answer {answer.strip()[:80]!r} after {rollout.turns} turn(s)")
+
+
+def hidden_tests(task: Task) -> list:
+    """The hidden tests a code-tests task carries in ``answer``: a JSON list of HiddenTest fields."""
+    import json
+
+    from services.sandbox.checker import HiddenTest
+
+    fields = set(HiddenTest.__dataclass_fields__)
+    try:
+        items = json.loads(task.answer)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"code-tests task {task.task_id!r}: answer is not JSON ({exc}); it must be a list of "
+                         f"hidden tests, each an object with keys {sorted(fields)}") from None
+    if not isinstance(items, list) or not items or not all(isinstance(i, dict) for i in items):
+        raise ValueError(f"code-tests task {task.task_id!r}: answer must be a non-empty JSON list of objects "
+                         f"with keys {sorted(fields)}")
+    tests = []
+    for n, item in enumerate(items):
+        if set(item) - fields or "fn" not in item:
+            raise ValueError(f"code-tests task {task.task_id!r}: hidden test #{n} has keys {sorted(item)}; "
+                             f"'fn' is required and only {sorted(fields)} are known")
+        tests.append(HiddenTest(**{**item, "args": tuple(item.get("args", ()))}))
+    return tests
+
+
+@VERIFIERS.register("code-tests")
+class CodeTestsVerifier:
+    """The submitted program (``services.tasks.code.submission``) against the task's hidden tests,
+    run by ``HiddenTestChecker`` in the reward service's sandbox.  Reward: the fraction of tests
+    passed; any tampering the checker detects scores 0 with its reason in the detail."""
+
+    sandboxed = True  # the reward service passes its Sandbox
+
+    def __init__(self, sandbox) -> None:  # type: ignore[no-untyped-def]
+        from services.sandbox.checker import HiddenTestChecker
+
+        self.checker = HiddenTestChecker(sandbox)
+
+    async def __call__(self, task: Task, rollout: Rollout) -> Verdict:
+        from services.tasks.code import submission
+
+        tests = hidden_tests(task)
+        program = submission(rollout.text)
+        if not program.strip():
+            return Verdict(0.0, {"correct": 0.0, "passed": 0.0, "tampering": 0.0}, "no program was submitted")
+        v = await self.checker.check(program, tests)
+        all_passed = 1.0 if v.total and v.passed == v.total else 0.0
+        return Verdict(v.score, {"correct": all_passed, "passed": v.score, "tampering": 1.0 if v.tampering else 0.0},
+                       f"{v.passed}/{v.total} hidden tests: {v.reason}")

@@ -23,7 +23,7 @@ import pytest
 from bus.credentials import Credentials, CredentialsError
 from bus.jetstream import JetStreamBus
 from bus.permissions import PermissionDenied
-from bus.protocol import BusError, ConsumerSpec
+from bus.protocol import BusError, ConsumerSpec, RequestFailed
 from bus.server import EmbeddedServer
 from services.commands.auth import ROLES, init
 from services.runtime.config import RunSettings
@@ -170,6 +170,20 @@ async def objects_round_trip(secured: Any, bus: S) -> None:
     await bus.objects.delete(name)
 
 
+async def answered(bus: S, subject: str, data: bytes) -> bytes:
+    """The reply to a request, retried while the server still reports no responders: a
+    subscription flushed on another connection was seen to reach the server's interest graph a
+    moment after its PONG (both the queue-group and the plain subscription flaked that way)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            return await bus.request(subject, data, timeout=5.0)
+        except RequestFailed as exc:
+            if "no responders" not in str(exc) or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def env_request_answered(secured: Any, bus: S) -> None:
     env = await connect(secured, "environment")
     try:
@@ -178,7 +192,21 @@ async def env_request_answered(secured: Any, bus: S) -> None:
 
         await env.serve(subjects().env_any("step"), echo, queue="environment")
         await env.connection.nc.flush()
-        assert await bus.request(subjects().env("math", "step"), b"hi", timeout=5.0) == b"ok:hi"
+        assert await answered(bus, subjects().env("math", "step"), b"hi") == b"ok:hi"
+    finally:
+        await env.close()
+
+
+async def env_replica_step_answered(secured: Any, bus: S) -> None:
+    """An episode's later steps go to the replica that holds it: its own subject, no queue group."""
+    env = await connect(secured, "environment")
+    try:
+        async def echo(data: bytes) -> bytes:
+            return b"env-1:" + data
+
+        await env.serve(subjects().env_step_of("env-1"), echo, queue="")
+        await env.connection.nc.flush()
+        assert await answered(bus, subjects().env_step("calculator", "env-1"), b"t2") == b"env-1:t2"
     finally:
         await env.close()
 
@@ -243,6 +271,7 @@ ALLOWED: list[tuple[str, str, Action]] = [
     ("generator", "publish a rollout", pub(lambda: subjects().rollouts("train"))),
     ("generator", "publish its heartbeat", pub(lambda: subjects().metrics("generator", "0"))),
     ("generator", "request an environment step", env_request_answered),
+    ("generator", "request a step of the replica holding an episode", env_replica_step_answered),
     ("generator", "watch and read the weights", gen_watches_weights),
     ("generator", "watch its control subjects", gen_watches_control),
     ("generator", "put, get and delete an object", objects_round_trip),
@@ -284,6 +313,9 @@ FORBIDDEN: list[tuple[str, str, Action, str]] = [
     ("trainer", "publish a weight version (only uploads)", pub(lambda: subjects().weights(MODEL)), "publish"),
     ("trainer", "publish a task", pub(lambda: subjects().tasks("train")), "publish"),
     ("environment", "publish a rollout", pub(lambda: subjects().rollouts("train")), "publish"),
+    # Serving steps is subscribing: an environment never requests one (of itself or another replica).
+    ("environment", "request a replica's step", pub(lambda: subjects().env_step("calculator", "env-1")), "publish"),
+    ("reward", "request a replica's step", pub(lambda: subjects().env_step("calculator", "env-1")), "publish"),
     ("environment", "publish control", pub(lambda: subjects().control_action("generator", "all", "pause")), "publish"),
     ("controller", "publish a scored group", pub(lambda: subjects().scored("train")), "publish"),
     ("controller", "publish a training task", pub(lambda: subjects().tasks("train")), "publish"),

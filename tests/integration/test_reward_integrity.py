@@ -107,3 +107,45 @@ async def test_fork_and_exit_caught_by_the_pid_check_too(checker):
     v = await loose.check(HACKS["fork and exit"][0], TESTS)
     assert v.passed == 0
     assert "forked" in v.reason or "exiting early" in v.reason, v.reason
+
+
+async def test_the_reward_service_scores_code_tests_and_records_tampering():
+    """Through the reward service's Scorer: the hidden tests travel in Task.answer, the program is the
+    completion's last code block, a hack scores 0 with its reason in the scored rollout, and an
+    environment failure is excluded, never scored."""
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    from schemas import Rollout, RolloutGroup, Task, spans_from_versions
+    from services.reward.service import Scorer
+    from services.reward.settings import RewardSettings
+
+    base = 61300 + 32 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) + 16
+    hidden = json.dumps([{"fn": t.fn, "args": list(t.args), "expect": t.expect, "raises": t.raises} for t in TESTS])
+    honest = f"def add(a, b):\n    return a + b\ndef tag():\n    return {SECRET!r}\n"
+    texts = [f"here it is\n```python\n{honest}```\n", f"```python\n{HACKS['forged answers on the reply channel'][0]}```",
+             honest, "```python\ndef add(a, b):\n```"]
+
+    def rollout(i: int, text: str) -> Rollout:
+        n = len(text)
+        return Rollout(rollout_id=f"code-1/{i}", task_id="code-1", index=i, token_ids=np.ones(2 + n, dtype="<i4"),
+                       prompt_len=2, loss_mask=np.ones(n, dtype="|u1"), behaviour_logprobs=np.zeros(n, dtype="<f4"),
+                       version_spans=spans_from_versions(np.zeros(n)), text=text)
+
+    rollouts = [rollout(i, t) for i, t in enumerate(texts)]
+    rollouts[2] = dataclasses.replace(rollouts[2], env_error="the environment failed: SandboxError: no uid")
+    task = Task(run="t", task_id="code-1", pool="train", env="code-tests", prompt="write add and tag",
+                answer=hidden, group_size=len(texts))
+    scorer = Scorer(RewardSettings(sandbox=SandboxSettings(uid_base=base, uid_span=8, max_concurrent=2)))
+    try:
+        out = await scorer.score(RolloutGroup(task=task, rollouts=rollouts))
+    finally:
+        scorer.close()
+    honest_s, hack, broken, syntax = out.scored
+    assert (honest_s.reward, honest_s.components["correct"]) == (1.0, 1.0), honest_s.verifier_detail
+    assert hack.reward == 0.0 and hack.components["tampering"] == 1.0 and "tampering" in hack.verifier_detail
+    assert broken.env_failure and not broken.valid and "no uid" in broken.verifier_detail
+    assert syntax.reward == 0.0 and "failed to import" in syntax.verifier_detail
+    assert scorer.metrics()["reward/tampering"] == 1 and scorer.metrics()["reward/env_failures"] == 1

@@ -6,16 +6,26 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
-from pathlib import Path
 
 import pytest
 
 from services.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSettings, probe
 from services.sandbox.sandbox import UidLeases, uid_processes
+from tests.integration.sandbox_cases import (
+    CPU_LOOP,
+    FORK_BOMB,
+    HUGE_OUTPUT,
+    KILL_PARENT,
+    MEMORY_BOMB,
+    connect_code,
+    exists_code,
+    host_listener,
+    outside_paths,
+    secret_paths,
+    write_code,
+)
 
-ROOT = Path(__file__).resolve().parents[2]
 ISO = probe()
 pytestmark = pytest.mark.skipif(not (ISO.bwrap and ISO.separate_uid),
                                 reason="needs bubblewrap and root (apt-get install bubblewrap; run as root)")
@@ -57,40 +67,28 @@ async def test_normal_run_reports_full_isolation(sandbox):
 
 async def test_network_connect_refused(sandbox):
     # A real listener on the host's loopback: the sandbox's loopback is its own, so nothing arrives.
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen()
-    server.setblocking(False)
-    port = server.getsockname()[1]
-    try:
-        code = (f"import socket\nfor addr in [('127.0.0.1', {port}), ('1.1.1.1', 80)]:\n"
-                "    try:\n        socket.create_connection(addr, timeout=2); print('connected', addr)\n"
-                "    except OSError as e:\n        print('refused', e.errno)\n")
-        ex = await sandbox.run_code(code)
+    with host_listener() as port:
+        ex = await sandbox.run_code(connect_code(port))
         assert b"connected" not in ex.stdout and ex.stdout.count(b"refused") == 2, ex.stdout
-        with pytest.raises(BlockingIOError):
-            server.accept()
-    finally:
-        server.close()
     await still_serves(sandbox)
 
 
 async def test_fork_bomb(sandbox):
     t0 = time.monotonic()
-    ex = await sandbox.run_code("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass")
+    ex = await sandbox.run_code(FORK_BOMB)
     assert not ex.ok and time.monotonic() - t0 < SMALL.wall_s + 3
     await still_serves(sandbox)
 
 
 async def test_memory_bomb(sandbox):
-    ex = await sandbox.run_code("blocks = []\nwhile True:\n    blocks.append(bytearray(64 << 20))")
+    ex = await sandbox.run_code(MEMORY_BOMB)
     assert ex.limit_hit == "memory" and ex.exit_code == 1, (ex.limit_hit, ex.stderr[-200:])
     await still_serves(sandbox)
 
 
 async def test_cpu_loop_killed_by_cpu_limit(sandbox):
     # A wall clock well past the CPU limit: two shared cores may give the loop half a core.
-    ex = await sandbox.run_code("while True:\n    pass", limits=SMALL.model_copy(update={"wall_s": 15}))
+    ex = await sandbox.run_code(CPU_LOOP, limits=SMALL.model_copy(update={"wall_s": 15}))
     assert ex.limit_hit == "cpu" and ex.exit_code is None and ex.cpu_s >= SMALL.cpu_s * 0.75, (ex.cpu_s, ex.wall_s)
     await still_serves(sandbox)
 
@@ -104,7 +102,7 @@ async def test_sleeping_group_killed_by_wall_clock(sandbox):
 
 
 async def test_huge_output_capped_without_blocking(sandbox):
-    ex = await sandbox.run_code("import os\nwhile True:\n    os.write(1, b'x' * 65536)\n    os.write(2, b'y' * 65536)")
+    ex = await sandbox.run_code(HUGE_OUTPUT)
     assert ex.limit_hit == "output" and ex.stdout_truncated
     assert len(ex.stdout) == SMALL.output_bytes and len(ex.stderr) <= SMALL.output_bytes
     await still_serves(sandbox)
@@ -117,32 +115,24 @@ async def test_large_file_stopped_by_file_size_limit(sandbox):
 
 
 async def test_writes_outside_work_dir_do_not_reach_host(sandbox, tmp_path):
-    target = tmp_path / "escaped"
-    code = ("import os\nfor p in ['/usr/escaped', '/escaped', {!r}, '/tmp/escaped', {!r}]:\n"
-            "    try:\n        open(p, 'w').write('x'); print('wrote', p)\n"
-            "    except OSError as e:\n        print('denied', p, e.errno)\n").format(str(target), str(ROOT / "escaped"))
-    ex = await sandbox.run_code(code)
+    paths, host_files = outside_paths(tmp_path)
+    ex = await sandbox.run_code(write_code(paths))
     assert ex.exit_code == 0, ex.stderr
     # Only the private /tmp (a tmpfs that vanishes with the run) accepted the write.
     assert b"wrote /tmp/escaped" in ex.stdout and ex.stdout.count(b"wrote") == 1, ex.stdout
-    assert not target.exists() and not (ROOT / "escaped").exists() and not Path("/tmp/escaped").exists()
+    assert not any(f.exists() for f in host_files)
     await still_serves(sandbox)
 
 
 async def test_cannot_read_hidden_files_repo_or_etc(sandbox, tmp_path):
-    hidden = tmp_path / "hidden_tests.json"
-    hidden.write_text('{"secret": "expected-7f3a"}')
-    paths = [str(hidden), str(ROOT / "README.md"), "/etc/shadow", "/etc/passwd", "/root", str(sandbox.root)]
-    code = f"import os\nfor p in {paths!r}:\n    print(p, os.path.exists(p))\n"
-    ex = await sandbox.run_code(code)
+    paths = secret_paths(tmp_path, sandbox.root)
+    ex = await sandbox.run_code(exists_code(paths))
     assert ex.exit_code == 0 and ex.stdout.count(b" False") == len(paths), ex.stdout
     await still_serves(sandbox)
 
 
 async def test_killing_the_parent_leaves_the_service_alive(sandbox):
-    code = ("import os, signal\nfor pid in (os.getppid(), -1, 1):\n"
-            "    try:\n        os.kill(pid, signal.SIGKILL)\n    except OSError:\n        pass\nprint('still here')")
-    ex = await sandbox.run_code(code)
+    ex = await sandbox.run_code(KILL_PARENT)
     assert ex.exit_code in (0, None)  # kill(-1) may take the program down with everything else of its uid
     os.kill(os.getpid(), 0)
     await still_serves(sandbox)

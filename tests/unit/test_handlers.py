@@ -91,23 +91,23 @@ async def eventually(predicate, timeout: float = 5.0) -> None:
 # reward: the Scorer itself
 
 
-def test_right_answers_score_one_and_wrong_answers_zero():
+async def test_right_answers_score_one_and_wrong_answers_zero():
     scorer = Scorer(RewardSettings())
-    out = scorer.score(rollout_group(["579", "578", " 579 "]))
+    out = await scorer.score(rollout_group(["579", "578", " 579 "]))
     assert [s.reward for s in out.scored] == [1.0, 0.0, 1.0]
     assert all(s.valid for s in out.scored)
     assert "expected '579', got '578'" in out.scored[1].verifier_detail
     assert out.task.task_id == "add-123-456" and out.generator_id == "gen-0"
     assert scorer.metrics() == {"reward/groups": 1, "reward/rollouts": 3, "reward/verifier_errors": 0,
-                                "reward/mean": pytest.approx(2 / 3)}
+                                "reward/env_failures": 0, "reward/tampering": 0, "reward/mean": pytest.approx(2 / 3)}
 
 
-def test_format_weight_adds_to_the_reward():
-    out = Scorer(RewardSettings(format_weight=0.5)).score(rollout_group(["579", "578", "579 apples"]))
+async def test_format_weight_adds_to_the_reward():
+    out = await Scorer(RewardSettings(format_weight=0.5)).score(rollout_group(["579", "578", "579 apples"]))
     assert [s.reward for s in out.scored] == [1.5, 0.5, 0.0]
 
 
-def test_a_crashing_verifier_excludes_that_rollout_instead_of_scoring_it_zero(monkeypatch):
+async def test_a_crashing_verifier_excludes_that_rollout_instead_of_scoring_it_zero(monkeypatch):
     class Flaky:
         def __call__(self, task, rollout):
             if rollout.index == 1:
@@ -118,7 +118,7 @@ def test_a_crashing_verifier_excludes_that_rollout_instead_of_scoring_it_zero(mo
 
     monkeypatch.setitem(VERIFIERS._factories, "flaky", Flaky)
     scorer = Scorer(RewardSettings())
-    out = scorer.score(rollout_group(["579", "579", "579", "0"], task(verifier="flaky", group_size=4)))
+    out = await scorer.score(rollout_group(["579", "579", "579", "0"], task(verifier="flaky", group_size=4)))
     assert [s.valid for s in out.scored] == [True, False, False, True]
     assert out.scored[1].verifier_error == "flaky: TimeoutError('sandbox did not answer')"
     assert out.scored[2].verifier_error.startswith("flaky: SchemaError")
@@ -129,16 +129,16 @@ def test_a_crashing_verifier_excludes_that_rollout_instead_of_scoring_it_zero(mo
     assert d.train_mask == [True, False, False, True] and d.reason == "train"
 
 
-def test_a_group_nobody_can_score_is_invalid_for_the_trainer():
-    out = Scorer(RewardSettings()).score(rollout_group(["579", "1"], task(answer="", group_size=2)))
+async def test_a_group_nobody_can_score_is_invalid_for_the_trainer():
+    out = await Scorer(RewardSettings()).score(rollout_group(["579", "1"], task(answer="", group_size=2)))
     assert all("no reference answer" in s.verifier_error for s in out.scored)
     d = Assembler(batch_groups=1, max_staleness=0).offer(out, None, version=0, consumed=set())
     assert d.reason == "invalid"
 
 
-def test_an_unknown_verifier_poisons_the_group_with_the_registered_names():
+async def test_an_unknown_verifier_poisons_the_group_with_the_registered_names():
     with pytest.raises(Poison) as info:
-        Scorer(RewardSettings()).score(rollout_group(["579"], task(verifier="regex", group_size=1)))
+        await Scorer(RewardSettings()).score(rollout_group(["579"], task(verifier="regex", group_size=1)))
     assert "unknown verifier 'regex'" in info.value.reason and "addition" in info.value.reason
 
 

@@ -93,7 +93,7 @@ def test_verifier_registry():
     with pytest.raises(UnknownExtension) as info:
         VERIFIERS.create("regex")
     msg = str(info.value)
-    assert "unknown verifier 'regex'" in msg and "addition, format, math" in msg and "rlbus.verifiers" in msg
+    assert "unknown verifier 'regex'" in msg and "addition, calculator, code-tests, format, math" in msg and "rlbus.verifiers" in msg
 
 
 # ---------------------------------------------------------------------------------------
