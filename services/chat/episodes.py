@@ -126,7 +126,9 @@ class EpisodeBook:
 
     def by_prefix(self, messages: list[dict[str, Any]]) -> ChatEpisode | None:
         """The open episode whose conversation `messages` continues (requests without an episode header)."""
-        found = [e for e in self.open.values() if not e.closed and e.conversation.extends(messages)]
+        # Only episodes with an answered turn: one whose first request is still being sampled holds no
+        # conversation yet, and every fresh conversation would "extend" it.
+        found = [e for e in self.open.values() if e.turns and not e.closed and e.conversation.extends(messages)]
         # The longest match is the one the client continued (a shorter one is an earlier branch).
         return max(found, key=lambda e: len(e.conversation.messages), default=None)
 

@@ -21,6 +21,7 @@ class ChatError(Exception):
         self.message = message
         self.code = code
         self.param = param
+        self.headers: dict[str, str] = {}  # e.g. the episode a policy failure ended, so the agent can end it
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}

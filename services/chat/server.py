@@ -141,7 +141,7 @@ class ChatEndpoint:
             return web.json_response(body, headers=headers)
         except ChatError as exc:
             self.refused += 1
-            return web.json_response(exc.body(), status=exc.status)
+            return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
         except Exception as exc:  # a bug or a backend failure: this request fails, the endpoint keeps serving
             log.exception("chat_request_failed")
             body = {"error": {"message": f"internal error: {type(exc).__name__}: {exc}", "type": "server_error",
@@ -277,6 +277,7 @@ class ChatEndpoint:
         except PolicyOutputError as exc:
             episode.closed = episode.finish_reason = "policy_error"
             episode.last_text = text
+            exc.headers[EPISODE_HEADER] = episode.episode_id
             exc.message += (f"; episode {episode.episode_id!r} ended with finish reason 'policy_error' and its tokens "
                             f"are kept: report its end (POST /v1/rlbus/episodes/{episode.episode_id}/end)")
             raise

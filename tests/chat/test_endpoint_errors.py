@@ -96,6 +96,7 @@ async def test_malformed_tool_call_ends_the_episode_and_keeps_its_tokens(served:
         await s.client.chat.completions.create(model="policy", messages=[USER], tools=[CALCULATOR_TOOL],
                                                extra_headers={EPISODE_HEADER: "ep-bad", "x-rlbus-group-size": "1"})
     assert err.value.code == "malformed_tool_call" and "policy_error" in err.value.message
+    assert err.value.response.headers[EPISODE_HEADER] == "ep-bad"  # so an agent without its own id can end it
     with pytest.raises(openai.ConflictError, match="ended \\(policy_error\\)"):
         await s.client.chat.completions.create(model="policy", messages=[USER], tools=[CALCULATOR_TOOL],
                                                extra_headers={EPISODE_HEADER: "ep-bad"})

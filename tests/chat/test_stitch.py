@@ -183,6 +183,21 @@ def test_groups_publish_when_full_or_after_the_timeout(chat_tokenizer) -> None:
     assert book.dropped["lone"] == 1 and "t3" in book.published_tasks
 
 
+def test_prefix_lookup_skips_episodes_without_an_answered_turn(chat_tokenizer) -> None:
+    # Found by bench/chat_endpoint.py at concurrency 4: a fresh conversation arriving while another
+    # episode's first request was sampling was joined to that episode.
+    template = ChatTemplate(chat_tokenizer)
+    book = EpisodeBook(run="r", generator_id="g", episode_ttl_s=100.0, group_timeout_s=10.0)
+    sampling = ChatEpisode("busy", TaskRef("t", "chat", "chat", 1), Conversation(template, TOOLS), 1.0, 1.0)
+    book.open["busy"] = sampling
+    assert book.by_prefix([USER]) is None
+    answered = ChatEpisode("a", TaskRef("t", "chat", "chat", 1), Conversation(template, TOOLS), 1.0, 1.0, turns=1)
+    answered.conversation.take([USER])
+    answered.conversation.answered(REPLY, True)
+    book.open["a"] = answered
+    assert book.by_prefix([USER, REPLY, TOOL_MSG]) is answered and book.by_prefix([USER]) is None
+
+
 def test_reported_verifier() -> None:
     verifier = VERIFIERS.create("reported")
     task = Task(run="r", task_id="t", pool="chat", env="chat", prompt="p", metadata={"reported_rewards": {"a": 0.5}})
