@@ -146,3 +146,35 @@ async def test_episode_found_by_prefix_and_group_published_at_group_size(served:
     with pytest.raises(openai.BadRequestError, match="temperature/top_p"):  # one distribution per group
         await s.client.chat.completions.create(model="policy", messages=[USER], temperature=0.5,
                                                extra_headers={"x-rlbus-task": "task-2"})
+
+
+def test_serial_backend_takes_sampling_calls_one_at_a_time() -> None:
+    import threading
+    import time as _time
+
+    from services.chat.server import SerialBackend
+    from services.generator.backend import InputLimits, PinnedSampling
+
+    class Inner:
+        max_context, vocab_size, slowdown = 64, 10, 1.0
+        inside = most = 0
+
+        def sample(self, *args: Any) -> list[Any]:
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            _time.sleep(0.02)
+            self.inside -= 1
+            return []
+
+    inner = Inner()
+    backend = SerialBackend(inner)
+    threads = [threading.Thread(target=backend.sample, args=([[1]], 1, None, [], 0)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert inner.most == 1
+    backend.slowdown = 3.0  # the slowdown file sets it on the backend the batch driver holds
+    assert inner.slowdown == 3.0
+    # Capabilities the generator core checks by isinstance pass through, and only those the inner has.
+    assert isinstance(backend, InputLimits) and not isinstance(backend, PinnedSampling)
