@@ -5,7 +5,7 @@ The endpoint runs in this process on the torch backend (one thread); published g
 in-memory recorder, so this measures the HTTP + template + stitching + sampling path, not the bus.
 Each episode is the calculator exchange of tests/chat: a tool call (max_tokens 48), the tool's
 value, an answer (max_tokens 16), then the end call.  `--concurrency` episodes run at once; their
-sampling calls take turns on the one model (SerialBackend), so latency grows with it while
+sampling calls take turns on the one model (the generator's model lock), so latency grows with it while
 requests/s shows what the overlap of HTTP and template work buys.
 
     python -m bench.chat_endpoint --model tests/.cache/chat-calculator-w150-<key> --episodes 40
@@ -20,6 +20,7 @@ import json
 import socket
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from aiohttp import web
 
 from bus.subjects import Subjects
-from services.chat.server import EPISODE_HEADER, ChatEndpoint, SerialBackend
+from services.chat.server import EPISODE_HEADER, ChatEndpoint
 from services.generator.settings import ChatEndpointOptions
 from services.generator.torch_backend import TorchBackend
 from services.policy.chat_model import CALCULATOR_TOOL, build_chat_model
@@ -74,10 +75,11 @@ async def one_episode(client: openai.AsyncOpenAI, k: int, latencies: list[float]
 
 
 async def run(model: Path, episodes: int, concurrency: int) -> dict[str, Any]:
-    backend = SerialBackend(TorchBackend(str(model)))
+    backend = TorchBackend(str(model))
     bus = NullBus()
-    endpoint = ChatEndpoint(bus, Subjects("bench"), backend, backend.tokenizer, model="policy", generator_id="bench",
-                            options=ChatEndpointOptions(), default_pool="chat", default_group_size=1)
+    endpoint = ChatEndpoint(bus, Subjects("bench"), backend, backend.tokenizer, model_lock=threading.Lock(),
+                            model="policy", generator_id="bench", options=ChatEndpointOptions(), default_pool="chat",
+                            default_group_size=1)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,9 +8,9 @@ headers:   x-rlbus-episode (episode id; else the conversation prefix finds it, o
            x-rlbus-env, x-rlbus-group-size, x-rlbus-verifier
 produces:  rl.<run>.rollouts.<pool>  (RolloutGroup)  msg id 'rollouts.<task_id>', when a task's group
            is complete or its group timeout passes (services/chat/episodes.py)
-samples on the generator's backend, one call at a time with the batch driver (SerialBackend), so
-chat turns and task batches share the live weights and every token records the version that
-produced it.
+samples on the generator's backend under the generator's model lock (as the batch sampler and the
+episode engine do), so chat turns share the live weights, a weight swap never lands inside a turn's
+forward pass, and every token records the version that produced it.
 
 A request is checked before it costs any sampling: the JSON, the model name, the messages, the
 episode, the stitching (services/chat/stitch.py) and the context.  Every refusal is an OpenAI error
@@ -20,7 +20,6 @@ body with a 4xx status; the endpoint and the generator keep serving.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import random
 import threading
@@ -45,29 +44,6 @@ log = get_logger()
 EPISODE_HEADER = "x-rlbus-episode"
 
 
-class SerialBackend:
-    """The generator's backend with its sampling calls taken one at a time: the batch driver and the
-    endpoint both sample from the one model in worker threads, and a weight swap inside one call
-    must not land in the middle of the other's forward pass.  Everything else passes through."""
-
-    _SERIAL = frozenset({"sample", "sample_at", "apply_staged"})
-
-    def __init__(self, inner: Any) -> None:
-        object.__setattr__(self, "_inner", inner)
-        object.__setattr__(self, "_lock", threading.Lock())
-
-    def _locked(self, call: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return call(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        return functools.partial(self._locked, attr) if name in self._SERIAL else attr
-
-    def __setattr__(self, name: str, value: Any) -> None:  # e.g. the slowdown file sets backend.slowdown
-        setattr(self._inner, name, value)
-
-
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name)
     if value is None:
@@ -82,11 +58,13 @@ class ChatEndpoint:
 
     HOUSEKEEPING_S = 1.0
 
-    def __init__(self, bus: Bus, subjects: Subjects, backend: Any, tokenizer: Any, *, model: str, generator_id: str,
-                 options: Any, default_pool: str, default_group_size: int, seed: int = 0) -> None:
+    def __init__(self, bus: Bus, subjects: Subjects, backend: Any, tokenizer: Any, *, model_lock: threading.Lock,
+                 model: str, generator_id: str, options: Any, default_pool: str, default_group_size: int,
+                 seed: int = 0) -> None:
         self.bus = bus
         self.subjects = subjects
         self.backend = backend
+        self.model_lock = model_lock
         self.template = ChatTemplate(tokenizer)
         self.model = model
         self.options = options
@@ -202,8 +180,7 @@ class ChatEndpoint:
         self.busy.add(episode.episode_id)
         try:
             sampling = WireSampling(temperature=temperature, top_p=top_p, max_new_tokens=max_tokens)
-            out = (await asyncio.to_thread(self.backend.sample, [prompt], 1, sampling, [self.template.end_id],
-                                           seed))[0][0]
+            out = await asyncio.to_thread(self._sample, prompt, sampling, seed)
         except BaseException:
             if not episode.turns:
                 self.book.open.pop(episode.episode_id, None)
@@ -211,6 +188,10 @@ class ChatEndpoint:
         finally:
             self.busy.discard(episode.episode_id)
         return self._record(episode, messages, new_ids, out, max_tokens), {EPISODE_HEADER: episode.episode_id}
+
+    def _sample(self, prompt: list[int], sampling: WireSampling, seed: int) -> Any:
+        with self.model_lock:
+            return self.backend.sample([prompt], 1, sampling, [self.template.end_id], seed)[0][0]
 
     def _episode(self, messages: list[dict[str, Any]], tools: Any, headers: Any, temperature: float,
                  top_p: float) -> tuple[ChatEpisode, list[int]]:

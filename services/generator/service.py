@@ -90,13 +90,9 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
     if backend is None:
         pin_eval = bool(eval_pools) and cfg.eval_weights == "pinned"
         backend = await asyncio.to_thread(build_backend, run_cfg, cfg, pin_eval=pin_eval)
-    chat = None
-    if cfg.openai_port:
-        from services.chat.server import SerialBackend
-
-        backend = SerialBackend(backend)  # batches and chat turns sample one at a time
-        chat = await asyncio.to_thread(chat_endpoint, bus, subjects, backend, run_cfg, cfg, train_pools)
     gen = Generator(backend, cfg, train_pools)
+    chat = await asyncio.to_thread(chat_endpoint, bus, subjects, gen, run_cfg, cfg, train_pools) \
+        if cfg.openai_port else None
     status = Status(Beat(bus, subjects, "generator", cfg.instance, period=0.5), gen)
     weights = WeightFollower(bus, subjects.weights(run_cfg.model_name), gen, status, run_dir=run_cfg.run_dir)
     control = ControlFollower(bus, subjects, cfg.instance, gen, status)
@@ -115,15 +111,16 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
     await run_until_stopped(life, *workers)
 
 
-def chat_endpoint(bus: Bus, subjects: Subjects, backend: Backend, run_cfg: RunSettings, cfg: GeneratorSettings,
+def chat_endpoint(bus: Bus, subjects: Subjects, gen: Generator, run_cfg: RunSettings, cfg: GeneratorSettings,
                   train_pools: list[str]) -> Any:
-    """The OpenAI-compatible endpoint (services/chat) on this generator's backend."""
+    """The OpenAI-compatible endpoint (services/chat) on this generator's backend, sampling under its
+    model lock like the batch sampler and the episode engine."""
     from transformers import AutoTokenizer
 
     from services.chat.server import ChatEndpoint
 
     tokenizer = AutoTokenizer.from_pretrained(run_cfg.model_path, local_files_only=True)
-    return ChatEndpoint(bus, subjects, backend, tokenizer, model=cfg.openai.model or run_cfg.model_name,
+    return ChatEndpoint(bus, subjects, gen.backend, tokenizer, model_lock=gen.model_lock, model=cfg.openai.model or run_cfg.model_name,
                         generator_id=cfg.instance, options=cfg.openai,
                         default_pool=cfg.openai.pool or (train_pools[0] if train_pools else run_cfg.pools[0]),
                         default_group_size=run_cfg.group_size, seed=cfg.seed)

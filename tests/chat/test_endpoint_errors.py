@@ -8,7 +8,9 @@ each of them.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,8 +45,9 @@ class Served:
 async def served(chat_tokenizer: Any) -> AsyncIterator[Served]:
     backend = ScriptedBackend(chat_tokenizer, max_context=160)
     bus = RecordingBus()
-    endpoint = ChatEndpoint(bus, Subjects("r"), backend, chat_tokenizer, model="policy", generator_id="gen-0",
-                            options=ChatEndpointOptions(max_tokens=8), default_pool="chat", default_group_size=2)
+    endpoint = ChatEndpoint(bus, Subjects("r"), backend, chat_tokenizer, model_lock=threading.Lock(), model="policy",
+                            generator_id="gen-0", options=ChatEndpointOptions(max_tokens=8), default_pool="chat",
+                            default_group_size=2)
     server = TestServer(endpoint.app())
     await server.start_server()
     try:
@@ -148,33 +151,15 @@ async def test_episode_found_by_prefix_and_group_published_at_group_size(served:
                                                extra_headers={"x-rlbus-task": "task-2"})
 
 
-def test_serial_backend_takes_sampling_calls_one_at_a_time() -> None:
-    import threading
-    import time as _time
 
-    from services.chat.server import SerialBackend
-    from services.generator.backend import InputLimits, PinnedSampling
-
-    class Inner:
-        max_context, vocab_size, slowdown = 64, 10, 1.0
-        inside = most = 0
-
-        def sample(self, *args: Any) -> list[Any]:
-            self.inside += 1
-            self.most = max(self.most, self.inside)
-            _time.sleep(0.02)
-            self.inside -= 1
-            return []
-
-    inner = Inner()
-    backend = SerialBackend(inner)
-    threads = [threading.Thread(target=backend.sample, args=([[1]], 1, None, [], 0)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert inner.most == 1
-    backend.slowdown = 3.0  # the slowdown file sets it on the backend the batch driver holds
-    assert inner.slowdown == 3.0
-    # Capabilities the generator core checks by isinstance pass through, and only those the inner has.
-    assert isinstance(backend, InputLimits) and not isinstance(backend, PinnedSampling)
+async def test_a_turn_samples_under_the_generator_model_lock(served: Served) -> None:
+    # The batch sampler, the episode engine and weight swaps hold this lock: a chat turn must wait for it.
+    s = served
+    s.endpoint.model_lock.acquire()
+    try:
+        turn = asyncio.create_task(ok_turn(s))
+        await asyncio.sleep(0.3)
+        assert not turn.done() and s.backend.prompts == []
+    finally:
+        s.endpoint.model_lock.release()
+    assert (await turn).parse().choices[0].message.content == "The answer is 3."
