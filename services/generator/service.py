@@ -16,6 +16,8 @@ produces:  rl.<run>.rollouts.<pool>       (RolloutGroup)    msg id 'rollouts.<ta
            rl.<run>.dead.<origin>         (DeadLetter)      refused tasks, weights and decisions, with the reason
 waits for: admission (grant_total > groups started) for training pools; eval tasks are not admitted
 unblocked by: an Admit with room, a resume, new weights at or above the freshness floor
+serves:    with openai_port > 0, an OpenAI-compatible /v1/chat/completions whose ended episodes are
+             published as RolloutGroups on rl.<run>.rollouts.<pool> (services/chat/server.py)
 
 A task passes through, in order: ``TaskIntake`` (intake.py: eval tasks first, training tasks within
 the grant split by the routed shares, small grants pooled into fuller batches) -> ``BatchDriver``
@@ -43,6 +45,7 @@ batch: tasks already fetched are finished, never dropped.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from bus.protocol import Bus
 from bus.subjects import Subjects
@@ -88,6 +91,8 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
         pin_eval = bool(eval_pools) and cfg.eval_weights == "pinned"
         backend = await asyncio.to_thread(build_backend, run_cfg, cfg, pin_eval=pin_eval)
     gen = Generator(backend, cfg, train_pools)
+    chat = await asyncio.to_thread(chat_endpoint, bus, subjects, gen, run_cfg, cfg, train_pools) \
+        if cfg.openai_port else None
     status = Status(Beat(bus, subjects, "generator", cfg.instance, period=0.5), gen)
     weights = WeightFollower(bus, subjects.weights(run_cfg.model_name), gen, status, run_dir=run_cfg.run_dir)
     control = ControlFollower(bus, subjects, cfg.instance, gen, status)
@@ -100,5 +105,22 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
     driver = BatchDriver(bus, subjects, gen, cfg, intake=intake, weights=weights, publisher=publisher, status=status,
                          life=life, slowdown=SlowdownFile(cfg.slowdown_file), episodes=episodes)
     log.info("generator_ready", backend=cfg.backend, pools=train_pools + eval_pools, boot=gen.boot)
-    await run_until_stopped(life, lambda: status.beat.loop(life), weights.follow, control.follow, driver.loop,
-                            episodes.loop)
+    workers = [lambda: status.beat.loop(life), weights.follow, control.follow, driver.loop, episodes.loop]
+    if chat is not None:
+        workers.append(lambda: chat.serve(cfg.openai.host, cfg.openai_port, life))
+    await run_until_stopped(life, *workers)
+
+
+def chat_endpoint(bus: Bus, subjects: Subjects, gen: Generator, run_cfg: RunSettings, cfg: GeneratorSettings,
+                  train_pools: list[str]) -> Any:
+    """The OpenAI-compatible endpoint (services/chat) on this generator's backend, sampling under its
+    model lock like the batch sampler and the episode engine."""
+    from transformers import AutoTokenizer
+
+    from services.chat.server import ChatEndpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(run_cfg.model_path, local_files_only=True)
+    return ChatEndpoint(bus, subjects, gen.backend, tokenizer, model_lock=gen.model_lock, model=cfg.openai.model or run_cfg.model_name,
+                        generator_id=cfg.instance, options=cfg.openai,
+                        default_pool=cfg.openai.pool or (train_pools[0] if train_pools else run_cfg.pools[0]),
+                        default_group_size=run_cfg.group_size, seed=cfg.seed)

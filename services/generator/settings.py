@@ -17,6 +17,21 @@ class VllmOptions(Settings):
     compile: bool = Field(False, description="torch.compile the model (slow start on CPU; False = eager).")
 
 
+class ChatEndpointOptions(Settings):
+    """The OpenAI-compatible chat endpoint ([generator.openai] table; used when openai_port > 0)."""
+
+    host: str = Field("127.0.0.1", description="Address the endpoint listens on (0.0.0.0 to serve other hosts).")
+    model: str = Field("", description="Model name clients must send ('' = the run's model_name).")
+    pool: str = Field("", description="Pool of an episode whose request names none ('' = the run's first pool).")
+    env: str = Field("chat", description="Environment name of an episode whose request names none (selects its "
+                     "verifier unless x-rlbus-verifier or a reported reward does).")
+    max_tokens: int = Field(256, ge=1, description="Tokens a request may sample when it sets no max_tokens.")
+    group_timeout_s: float = Field(60.0, gt=0, description="A task's group still short of group_size this long after "
+                                   "its first episode ended is published with the episodes that ended (two or more).")
+    episode_ttl_s: float = Field(600.0, gt=0, description="An episode with no request for this long is abandoned "
+                                 "(dropped, never published).")
+
+
 class GeneratorSettings(Settings):
     instance: str = Field("gen-0", description="Instance name: control and metrics subject token; unique per replica.")
     backend: Literal["torch", "vllm"] = Field("torch", description="Sampling engine behind the backend interface.")
@@ -42,4 +57,7 @@ class GeneratorSettings(Settings):
     slowdown: float = Field(1.0, ge=1.0, description="Testing aid: multiply sampling time (simulates a slow accelerator).")
     slowdown_file: str = Field("", description="Testing aid: a file holding a slowdown factor, re-read between batches "
                                "so a test can slow a running generator and speed it up again ('' = off).")
+    openai_port: int = Field(0, ge=0, le=65535, description="Port of the OpenAI-compatible /v1/chat/completions "
+                             "endpoint for unmodified agents (0 = off); see README 'Chat endpoint'.")
+    openai: ChatEndpointOptions = Field(default_factory=ChatEndpointOptions, description="Chat endpoint options.")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM backend options (threads, KV cache, blocks).")

@@ -74,6 +74,21 @@ class MathVerifier:
                        f"gold={gold!r} pred={pred!r}")
 
 
+@VERIFIERS.register("reported")
+class ReportedVerifier:
+    """The reward an agent reported when it ended its episode on the chat endpoint
+    (services/chat/episodes.py puts it in the task's metadata, keyed by rollout id).  An episode
+    whose agent reported none raises: excluded from the loss, not scored 0."""
+
+    def __call__(self, task: Task, rollout: Rollout) -> Verdict:
+        rewards = task.metadata.get("reported_rewards")
+        reward = rewards.get(rollout.rollout_id) if isinstance(rewards, dict) else None
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise ValueError(f"episode {rollout.rollout_id!r} of task {task.task_id!r} has no reported reward: "
+                             "report one in its end call, or name a verifier that scores it")
+        return Verdict(float(reward), {"reported": float(reward)}, "reward reported by the agent")
+
+
 def verifier_for(task: Task) -> str:
     """The verifier a task asks for, or its environment's default (same name)."""
     return task.verifier or task.env
