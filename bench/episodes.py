@@ -84,7 +84,16 @@ async def batch_sync(engine: Any, work: list[list[int]], obs: list[int], args: a
 async def per_episode(backend: Any, work: list[list[int]], obs: list[int], args: argparse.Namespace,
                       run_dir: Path) -> dict[str, Any]:
     from bus.memory import MemoryBus
-    from schemas import EnvReply, EnvReplyBatch, EnvResetBatch, EnvStep, EpisodeLimits, RolloutGroup, SamplingParams, Task
+    from schemas import (
+        EnvReply,
+        EnvReplyBatch,
+        EnvResetBatch,
+        EnvStep,
+        EpisodeLimits,
+        RolloutGroup,
+        SamplingParams,
+        Task,
+    )
     from services.generator import service as generator_service
     from services.generator.settings import GeneratorSettings
     from services.runtime.config import RunSettings
@@ -139,8 +148,8 @@ async def per_episode(backend: Any, work: list[list[int]], obs: list[int], args:
 # --- KV kept across turns vs recomputed ----------------------------------------------------------
 def kv_cost(slot: Any, work: list[list[int]], obs: list[int], args: argparse.Namespace, keep_kv: bool) -> dict[str, Any]:
     import torch
-
     from services.policy.episodes import EpisodeEngine
+
     from services.policy.sampling import SamplingParams
 
     engine = EpisodeEngine(slot, keep_kv=keep_kv)
