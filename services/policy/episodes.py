@@ -16,7 +16,8 @@ and the row's whole sequence is prefilled again under the new weights the next t
 (as the group sampler's mid-sequence swaps do: old-weight KV would give log-probs of neither
 version).
 
-How `run` batches: (1) `slot.maybe_swap()`; stale caches are dropped. (2) Prefill: rows about
+How `run` batches: (1) `slot.maybe_swap()`; stale caches are dropped (a version staged during
+a run reaches the rows at the next one, at most `max_steps` tokens later). (2) Prefill: rows about
 to decode whose pending part is longer than one token forward all but its last token in one
 batched forward; rows without a cache and with the same sequence (the n rows of one prompt)
 share one prefill. (3) Decode: every row with a turn in progress feeds its one pending token in
@@ -133,12 +134,11 @@ class _Batch:
     def feed(self, chunks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Forward each row's chunk (left-padded so every row ends in the last column) on top of
         its cache; returns the logits of each row's last chunk token, shape (rows, vocab)."""
-        lens = torch.tensor([len(c) for c in chunks], dtype=torch.long, device=self.device)
-        width = int(lens.max())
-        ids = torch.zeros((len(chunks), width), dtype=torch.long, device=self.device)
+        sizes = [len(c) for c in chunks]
+        width = max(sizes)
+        ids = torch.tensor([[0] * (width - len(c)) + list(c) for c in chunks], dtype=torch.long, device=self.device)
+        lens = torch.tensor(sizes, dtype=torch.long, device=self.device)
         offsets = torch.arange(width, device=self.device)[None, :] - (width - lens)[:, None]
-        for i, c in enumerate(chunks):
-            ids[i, width - len(c) :] = torch.tensor(list(c), dtype=torch.long)
         chunk_mask = (offsets >= 0).long()
         mask = torch.cat([self.mask, chunk_mask], dim=1)
         positions = (self.next_pos[:, None] + offsets).clamp(min=0)
@@ -149,8 +149,11 @@ class _Batch:
         return out.logits[:, -1]
 
     def row_kv(self, i: int) -> LayerKV:
-        real = self.mask[i].bool()
-        return [(layer.keys[i : i + 1, :, real], layer.values[i : i + 1, :, real]) for layer in self.cache.layers]
+        """Row i's real columns, copied out (a view would pin the whole batch's storage while
+        the row waits for its environment)."""
+        real = self.mask[i].nonzero().squeeze(-1)
+        return [(layer.keys[i : i + 1].index_select(2, real), layer.values[i : i + 1].index_select(2, real))
+                for layer in self.cache.layers]
 
     def keep(self, indices: list[int]) -> None:
         index = torch.tensor(indices, dtype=torch.long, device=self.device)
@@ -331,28 +334,35 @@ class EpisodeEngine:
                 version: int) -> list[tuple[_Row, _TurnInProgress]]:
         batch = _Batch(self.slot.model, active, self._device())
         finished: list[tuple[_Row, _TurnInProgress]] = []
+        live = list(range(len(active)))  # batch indices of rows still in their turn
         for _ in range(max_steps):
+            # Rows whose turn ended stay in the batch (their outputs are ignored) until they are
+            # half of it: compacting the cache at every finish would copy it once per row.
             logits = batch.feed([[r.tokens[-1]] for r in batch.rows])
-            tokens, logprobs = self._sample(batch.rows, logits, generator)
+            rows = [batch.rows[i] for i in live]
+            tokens, logprobs = self._sample(rows, logits[live] if len(live) < len(batch.rows) else logits, generator)
             self._stats.decode_steps += 1
-            self._stats.decode_tokens += len(batch.rows)
+            self._stats.decode_tokens += len(rows)
             going: list[int] = []
-            for i, row in enumerate(batch.rows):
+            for i, row, token, logprob in zip(live, rows, tokens, logprobs, strict=True):
                 assert row.turn is not None
                 row.cached += 1  # the fed token is now in the cache
-                row.tokens.append(tokens[i])
-                row.turn.record(tokens[i], logprobs[i], version)
+                row.tokens.append(token)
+                row.turn.record(token, logprob, version)
                 if row.turn.finish_reason is None:
                     going.append(i)
                 else:
                     row.kv, row.kv_version = batch.row_kv(i), version
                     finished.append((row, row.turn))
                     row.turn = None
-            if len(going) < len(batch.rows):
-                if not going:
-                    return finished
-                batch.keep(going)
-        for i, row in enumerate(batch.rows):  # unfinished turns continue at the next run
+            if not going:
+                return finished
+            live = going
+            if 2 * len(live) <= len(batch.rows):
+                batch.keep(live)
+                live = list(range(len(live)))
+        for i in live:  # unfinished turns continue at the next run
+            row = batch.rows[i]
             row.kv, row.kv_version = batch.row_kv(i), version
         return finished
 

@@ -117,13 +117,15 @@ def test_greedy_turns_equal_the_group_samplers(tiny_model: Path) -> None:
 def test_second_turn_on_the_kept_cache_equals_a_full_recompute(model, tokenizer, keep_kv: bool) -> None:  # type: ignore[no-untyped-def]
     engine = EpisodeEngine(StaticSlot(model), keep_kv=keep_kv)
     prompt = encode_prompt(tokenizer, "(12*3)+4=")
-    keys = ["x", "y", "z"]
+    keys = ["x", "y", "z", "u", "v", "w"]
     engine.open(keys, prompt)
-    for key in keys:
-        engine.start_turn(key, HOT, [], 6)
+    for key in keys:  # frequent stop ids: rows leave the batch at different steps
+        engine.start_turn(key, HOT, _enc(tokenizer, "0123456"), 6)
     first = _run_all(engine, _gen(1))
+    assert len({len(t.ids) for t in first.values()}) > 2, "turns of one length; change the seed"
     before = dict(engine.stats)
-    observations = {"x": _enc(tokenizer, "=40;"), "y": _enc(tokenizer, "?"), "z": _enc(tokenizer, "9-1=8 ok")}
+    observations = {"x": _enc(tokenizer, "=40;"), "y": _enc(tokenizer, "?"), "z": _enc(tokenizer, "9-1=8 ok"),
+                    "u": _enc(tokenizer, "1"), "v": _enc(tokenizer, "(2)"), "w": _enc(tokenizer, "+++")}
     for key in keys:
         engine.append(key, observations[key])
         assert engine.tokens(key) == prompt + first[key].ids + observations[key]
