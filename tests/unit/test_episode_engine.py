@@ -179,6 +179,22 @@ def test_rows_that_join_between_runs_decode_as_if_alone(model, tokenizer) -> Non
     _assert_matches_recompute(model, hot_prefix, turns["early-hot"], HOT)
 
 
+def test_a_final_turn_keeps_no_cache_and_a_later_turn_rebuilds_it(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    engine = EpisodeEngine(StaticSlot(model))
+    prompt = encode_prompt(tokenizer, "8*8=")
+    engine.open(["f"], prompt)
+    engine.start_turn("f", HOT, [], 5, final=True)
+    first = _run_all(engine, _gen(15))["f"]
+    _assert_matches_recompute(model, prompt, first, HOT)
+    assert engine._rows["f"].kv is None  # nothing copied out for a turn said to be the last
+    engine.append("f", _enc(tokenizer, "=64"))
+    engine.start_turn("f", HOT, [], 5)
+    prefix = engine.tokens("f")
+    second = _run_all(engine, _gen(16))["f"]
+    _assert_matches_recompute(model, prefix, second, HOT)
+    assert engine.stats["reused_tokens"] == 0 and engine.stats["prefill_tokens"] == len(prompt) - 1 + len(prefix) - 1
+
+
 class _StagedSlot:
     """A slot whose next version is staged by the test and installed at the engine's next
     `maybe_swap`, as the generator's WeightSlot does."""
