@@ -195,6 +195,34 @@ def test_a_final_turn_keeps_no_cache_and_a_later_turn_rebuilds_it(model, tokeniz
     assert engine.stats["reused_tokens"] == 0 and engine.stats["prefill_tokens"] == len(prompt) - 1 + len(prefix) - 1
 
 
+def test_rows_survive_a_failed_run(model, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    from services.policy import episodes
+
+    engine = EpisodeEngine(StaticSlot(model))
+    prompt = encode_prompt(tokenizer, "6+7=")
+    engine.open(["a", "b"], prompt)
+    for key in ("a", "b"):
+        engine.start_turn(key, HOT, [], 8)
+    turns = dict(engine.run(_gen(17), max_steps=2))
+    feed = episodes._Batch.feed
+    calls = []
+
+    def failing(self, chunks):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:  # mid-run, after the rows' caches moved on
+            raise RuntimeError("out of memory")
+        return feed(self, chunks)
+
+    monkeypatch.setattr(episodes._Batch, "feed", failing)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        engine.run(_gen(18), max_steps=4)
+    monkeypatch.setattr(episodes._Batch, "feed", feed)
+    turns.update(_run_all(engine, _gen(19)))
+    for key in ("a", "b"):
+        assert engine.tokens(key) == prompt + turns[key].ids
+        _assert_matches_recompute(model, prompt, turns[key], HOT)
+
+
 class _StagedSlot:
     """A slot whose next version is staged by the test and installed at the engine's next
     `maybe_swap`, as the generator's WeightSlot does."""
