@@ -29,6 +29,10 @@ columns of each row) when a row finishes its turn or the call ends. Re-assemblin
 of the active rows' KV per call, amortised over `max_steps` steps; it keeps each row's state
 independent of who it was batched with, which is what makes joining and leaving free.
 
+Memory: a waiting row holds its KV until it is closed or a swap drops it; there is no eviction,
+so the caller bounds memory by how many episodes it keeps open (a row's KV is
+2 x layers x kv_heads x head_dim x tokens floats).
+
 Threads: the engine is not thread-safe. One thread at a time calls it (the generator's episode
 driver serialises its calls and runs `run` in a worker thread); weights are staged by other
 threads only through the slot, which the engine reads in `run`.
