@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from services.generator.backend import SampleMeter
+from services.policy.episodes import EpisodeEngine
 from services.policy.load import check_weights, copy_weights, load_policy, load_state_from_safetensors, read_weights
 from services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
 from services.policy.sampling import SamplingParams
@@ -81,6 +82,8 @@ class TorchBackend(SampleMeter):
         if pin_eval:
             self.pinned = StaticSlot(copy.deepcopy(model), version)
             self._pinned_sampler = GroupSampler(self.pinned, deterministic=deterministic)
+        self._deterministic = deterministic
+        self._episodes: EpisodeEngine | None = None
         SampleMeter.__init__(self, slowdown)
 
     @property
@@ -118,6 +121,13 @@ class TorchBackend(SampleMeter):
         sampler = self._pinned_sampler
         return self.metered(lambda: sampler.sample_groups(prompts, n, *_params(sampling, stop_ids, seed)))
 
+    def episodes(self) -> EpisodeEngine:
+        """The backend's one episode engine, on the live weight slot, so staged versions reach its
+        rows at its next run (made on first use: a single-turn run never pays for it)."""
+        if self._episodes is None:
+            self._episodes = EpisodeEngine(self.slot, deterministic=self._deterministic)
+        return self._episodes
+
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         self.slot.stage(version, weights)
 
@@ -129,7 +139,11 @@ class TorchBackend(SampleMeter):
 
     def metrics(self) -> dict[str, float]:
         pauses = self.slot.swap_seconds
-        return {"generator/swaps": self.slot.swaps,
+        kv = self._episodes.stats if self._episodes is not None else {}
+        return {"generator/prefill_tokens": kv.get("prefill_tokens", 0),
+                "generator/prefill_reused_tokens": kv.get("reused_tokens", 0),
+                "generator/kv_rebuilds": kv.get("rebuilds", 0),
+                "generator/swaps": self.slot.swaps,
                 "generator/swap_pause_last_s": pauses[-1] if pauses else 0.0,
                 "generator/swap_pause_max_s": max(pauses) if pauses else 0.0,
                 "generator/sample_seconds": self.sample_seconds,
