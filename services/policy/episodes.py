@@ -275,6 +275,20 @@ class EpisodeEngine:
             row.drop_cache()
         row.turn = _TurnInProgress(params=params, stop=stop, max_new_tokens=cap, start=len(row.tokens), final=final)
 
+    def truncate(self, key: str, length: int) -> None:
+        """Keeps the row's first ``length`` tokens (a turn cut at a stop string after it ended: the
+        tokens past the stop are no part of the episode).  The kept cache is cut with it, so the
+        next observation is still the only prefill."""
+        row = self._row(key)
+        if row.turn is not None:
+            raise EpisodeInputError(f"row {key!r} has a turn in progress: truncate after it finishes")
+        if not 1 <= length <= len(row.tokens):
+            raise EpisodeInputError(f"row {key!r} holds {len(row.tokens)} tokens: cannot keep {length}")
+        del row.tokens[length:]
+        if row.kv is not None and row.cached > length:
+            row.kv = [(k[:, :, :length], v[:, :, :length]) for k, v in row.kv]
+            row.cached = length
+
     def close(self, key: str) -> None:
         """Frees the row (finished, failed or abandoned episode); closing twice is harmless."""
         self._rows.pop(key, None)

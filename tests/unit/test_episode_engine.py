@@ -361,3 +361,25 @@ def test_the_torch_backend_engine_follows_staged_weights_and_reports_its_prefill
     assert metrics["generator/kv_rebuilds"] == 1
     assert metrics["generator/prefill_tokens"] == (len(prompt) - 1) + (len(engine.tokens("e")) - len(second.ids) - 1)
     assert metrics["generator/prefill_reused_tokens"] == 0
+
+
+def test_a_turn_cut_back_at_a_stop_string_continues_from_the_cut(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The driver cuts a turn at a stop string after it ended; the row (and its kept cache) is cut
+    with it, and the next turn's logprobs match a recompute of the cut sequence."""
+    engine = EpisodeEngine(StaticSlot(model))
+    prompt = encode_prompt(tokenizer, "12+3=")
+    engine.open(["r"], prompt)
+    engine.start_turn("r", HOT, [], 8)
+    (first,) = _run_all(engine, _gen(3)).values()
+    assert len(first.ids) >= 3, "a turn too short to cut; change the seed"
+    keep = len(prompt) + 2
+    engine.truncate("r", keep)
+    assert engine.tokens("r") == prompt + first.ids[:2]
+    obs = _enc(tokenizer, "=15 ")
+    engine.append("r", obs)
+    engine.start_turn("r", NUCLEUS, [], 6)
+    prefix = engine.tokens("r")
+    (second,) = _run_all(engine, _gen(4)).values()
+    _assert_matches_recompute(model, prefix, second, NUCLEUS)
+    with pytest.raises(EpisodeInputError, match="cannot keep"):
+        engine.truncate("r", 0)
