@@ -148,8 +148,8 @@ async def per_episode(backend: Any, work: list[list[int]], obs: list[int], args:
 # --- KV kept across turns vs recomputed ----------------------------------------------------------
 def kv_cost(slot: Any, work: list[list[int]], obs: list[int], args: argparse.Namespace, keep_kv: bool) -> dict[str, Any]:
     import torch
-    from services.policy.episodes import EpisodeEngine
 
+    from services.policy.episodes import EpisodeEngine
     from services.policy.sampling import SamplingParams
 
     engine = EpisodeEngine(slot, keep_kv=keep_kv)

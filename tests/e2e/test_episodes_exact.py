@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from bus.jetstream import JetStreamBus
+from bus.protocol import ConsumerSpec
 from schemas import EpisodeLimits, RolloutGroup, SamplingParams, Task
 from services.environment import service as env_service
 from services.environment.envs import ENVIRONMENTS, PromptEnv, Turn
@@ -77,16 +78,14 @@ async def play(p: Pipeline, model: Path, n_tasks: int) -> list[RolloutGroup]:
             await bus.publish(p.subjects.tasks("train"), t.encode(), msg_id=t.msg_id)
         p.start_generator("gen-0")
         groups: dict[str, RolloutGroup] = {}
-        watch = bus.watch(p.subjects.rollouts("train"), deliver="all")
-        try:
-            async with asyncio.timeout(240):
-                async for d in watch:
-                    g = RolloutGroup.decode(d.msg)
-                    groups[g.task.task_id] = g
-                    if len(groups) == n_tasks:
-                        break
-        finally:
-            await watch.aclose()
+        # ROLLOUTS is a work queue and no reward service runs here: this test is its consumer.
+        puller = bus.puller(ConsumerSpec(stream="ROLLOUTS", durable="e2e_reader",
+                                         filter_subjects=(p.subjects.rollouts("train"),)), RolloutGroup.decode)
+        async with asyncio.timeout(240):
+            while len(groups) < n_tasks:
+                for d in await puller.fetch(8, timeout=1.0):
+                    groups[d.msg.task.task_id] = d.msg
+                    await d.ack()
         return list(groups.values())
     finally:
         await bus.close()
