@@ -191,8 +191,10 @@ def main() -> None:
 
     import torch
 
+    from observability.logging import configure_logging
     from services.generator.torch_backend import TorchBackend
 
+    configure_logging(service="bench", run="episodes", level="WARNING")  # logs to stderr: stdout is the JSON
     torch.set_num_threads(1)
     backend = TorchBackend(args.model)
     tok = backend.tokenizer
