@@ -58,7 +58,8 @@ log = get_logger()
 
 @runtime_checkable
 class EpisodeBackend(Protocol):
-    """A backend that plays episodes: ``episodes()`` is its engine (services/policy/episodes.py)."""
+    """A backend that plays episodes: ``episodes()`` is its engine (the PyTorch backend's
+    ``EpisodeEngine`` in services/policy/episodes.py; vLLM's ``SampledTurns`` in turns.py)."""
 
     def episodes(self) -> Any: ...
 
@@ -181,8 +182,8 @@ class EpisodeDriver:
         """Why this generator cannot play episodes ('' when it can)."""
         if isinstance(self.gen.backend, EpisodeBackend):
             return ""
-        return (f"the {self.cfg.backend!r} backend does not play multi-turn episodes yet: serve episodic "
-                "environments with [generator] backend = 'torch'")
+        return (f"the {self.cfg.backend!r} backend does not play multi-turn episodes: serve episodic "
+                "environments with [generator] backend = 'torch' or 'vllm'")
 
     @property
     def tasks_in_flight(self) -> int:

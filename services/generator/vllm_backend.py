@@ -354,6 +354,14 @@ class VllmBackend(SampleMeter):
     def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
         return self.metered(lambda: self._call(self._sample(prompts, n, sampling, stop_ids, seed)))
 
+    def episodes(self) -> Any:
+        """Multi-turn episodes on vLLM's own batching and prefix cache (services/generator/turns.py)."""
+        if getattr(self, "_episodes", None) is None:
+            from services.generator.turns import SampledTurns
+
+            self._episodes = SampledTurns(self)
+        return self._episodes
+
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         """Validate, then swap in place at once (in-flight requests continue under the new version)."""
         with self._update_lock:

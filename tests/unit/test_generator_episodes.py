@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from schemas import EnvReply, EnvReplyBatch, EnvResetBatch, EnvStep, EpisodeLimits, SamplingParams, Task
 from tests.unit.test_generator_intake import RUN, FakeBackend, Harness, eventually
@@ -257,7 +258,7 @@ async def test_a_backend_without_episodes_refuses_episodic_tasks_with_the_reason
         await h.admit(1)
         await eventually(lambda: len(h.bus.messages("DEAD")) == 1, what="the episodic task dead-lettered")
         [letter] = h.bus.dead_letters
-        assert "is episodic" in letter.reason and "'torch'" in letter.reason
+        assert "is episodic" in letter.reason and "does not play multi-turn episodes" in letter.reason
         assert h.groups() == []
 
 
@@ -283,3 +284,42 @@ async def test_observation_ids_the_model_cannot_take_end_the_episode_as_an_envir
         await played(h)
         for r in h.groups()[0].rollouts:
             assert r.finish_reason == "env_error" and "outside the vocabulary" in r.env_error
+
+
+class SampledTurnsBackend(FakeBackend):
+    """A backend without an engine of its own: episodes through ``SampledTurns`` (the vLLM path)."""
+
+    max_context = 64
+    vocab_size = 100
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prompts: list[list[int]] = []
+
+    def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
+        self.prompts.extend(list(p) for p in prompts)
+        return super().sample(prompts, n, sampling, stop_ids, seed)
+
+    def episodes(self) -> Any:
+        from services.generator.turns import SampledTurns
+
+        if not hasattr(self, "_turns"):
+            self._turns = SampledTurns(self)
+        return self._turns
+
+
+async def test_a_backend_that_batches_by_itself_plays_episodes_through_sampled_turns(tmp_path: Path) -> None:
+    backend = SampledTurnsBackend()
+    async with Harness(tmp_path, backend=backend, env=False) as h:
+        await EpisodicEnv(h).start()
+        await episodic_task(h)
+        await played(h)
+        sampled = [7, 8]  # FakeBackend's two tokens
+        for r in h.groups()[0].rollouts:
+            assert r.token_ids.tolist() == PROMPT + sampled + OBSERVATION + sampled
+            assert r.loss_mask.tolist() == [1, 1, 0, 0, 1, 1]
+            assert r.behaviour_logprobs.tolist() == pytest.approx([-0.1, -0.2, 0.0, 0.0, -0.1, -0.2])
+            assert (r.turns, r.finish_reason) == (2, "done")
+        # Each turn's prompt is the row's ids so far: the observation appended, nothing re-tokenised.
+        assert sorted(map(tuple, backend.prompts)) == sorted(
+            [tuple(PROMPT)] * 2 + [tuple(PROMPT + sampled + OBSERVATION)] * 2)

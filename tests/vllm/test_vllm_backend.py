@@ -121,6 +121,40 @@ def test_group_sample_logprobs_match_the_trainer(backend: Any, prompts: list[lis
     assert all((g[0].behaviour_logprobs == 0).all() for g in greedy)
 
 
+def test_two_turn_episodes_through_sampled_turns_match_the_trainer(backend: Any, prompts: list[list[int]],
+                                                                   tiny_model: Path) -> None:
+    """vLLM plays episodes through ``SampledTurns``: each turn's prompt is the row's ids (the
+    observation appended, nothing re-tokenised) and every turn's logprobs match the trainer's
+    recompute of the whole sequence so far."""
+    from services.policy.load import load_policy
+
+    model, tokenizer = load_policy(tiny_model, dtype="float32")
+    turns = backend.episodes()
+    params = SimpleNamespace(temperature=1.0, top_p=1.0)
+    observation = list(tokenizer.encode(" ok ", add_special_tokens=False))
+    keys = [f"e{i}" for i in range(4)]
+    for key, prompt in zip(keys, prompts[:4], strict=True):
+        turns.open([key], prompt)
+        turns.start_turn(key, params, [tokenizer.eos_token_id], 6)
+    gen = torch.Generator().manual_seed(0)
+    first = dict(turns.run(gen))
+    prefixes = {}
+    for key in keys:
+        turns.append(key, observation)
+        prefixes[key] = turns.tokens(key)
+        turns.start_turn(key, params, [tokenizer.eos_token_id], 6)
+    second = dict(turns.run(gen))
+    assert sorted(first) == sorted(second) == keys
+    for key, prompt in zip(keys, prompts[:4], strict=True):
+        assert prefixes[key] == prompt + first[key].ids + observation
+        assert turns.tokens(key) == prefixes[key] + second[key].ids
+        turns.close(key)
+    groups = [[SimpleNamespace(completion_ids=t.ids, behaviour_logprobs=t.logprobs, token_versions=t.versions)]
+              for t in (*(first[k] for k in keys), *(second[k] for k in keys))]
+    m = _mismatch(model, [*prompts[:4], *(prefixes[k] for k in keys)], groups, params)
+    assert m["mismatch/abs_diff_mean"] < MEAN_TOL and m["mismatch/abs_diff_max"] < MAX_TOL, m
+
+
 def test_throughput_bench_runs_and_shapes_agree(backend: Any, prompts: list[list[int]], tiny_model: Path) -> None:
     from bench.backend_throughput import compare
     from services.generator.backend import BACKENDS
