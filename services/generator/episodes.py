@@ -206,7 +206,8 @@ class EpisodeDriver:
         def open_rows(engine: Any) -> None:
             engine.open(keys, list(prompt))
             for key in keys:
-                engine.start_turn(key, self._sampling(task), self._stop_ids(), self._turn_tokens(task, len(prompt)))
+                engine.start_turn(key, self._sampling(task), self._stop_ids(), self._turn_tokens(task, len(prompt)),
+                                  final=task.limits.max_turns == 1)
                 self._decoding.add(key)
 
         self._queue(keys, open_rows)
@@ -321,7 +322,9 @@ class EpisodeDriver:
 
             def next_turn(engine: Any) -> None:
                 engine.append(ep.key, observation)
-                engine.start_turn(ep.key, self._sampling(ep.task), self._stop_ids(), budget)
+                # The last turn the limits allow keeps no cache: nothing follows it.
+                engine.start_turn(ep.key, self._sampling(ep.task), self._stop_ids(), budget,
+                                  final=ep.turns + 1 >= ep.task.limits.max_turns)
                 self._decoding.add(ep.key)
 
             self._queue([ep.key], next_turn)

@@ -47,6 +47,7 @@ class FakeEngine:
         self.truncated: list[tuple[str, int]] = []
         self.closed: list[str] = []
         self.failures = 0  # runs that raise, as a backend that fell over would
+        self.finals: list[bool] = []  # start_turn's final flag, per call
 
     def open(self, keys: list[str], prompt_ids: list[int]) -> None:
         for key in keys:
@@ -58,8 +59,10 @@ class FakeEngine:
         self.appended.append((key, list(ids)))
         self.rows[key].extend(ids)
 
-    def start_turn(self, key: str, params: Any, stop_ids: list[int], max_new_tokens: int) -> None:
+    def start_turn(self, key: str, params: Any, stop_ids: list[int], max_new_tokens: int, *,
+                   final: bool = False) -> None:
         self.turns[key] = max_new_tokens
+        self.finals.append(final)
 
     def run(self, generator: Any, max_steps: int = 16) -> list[tuple[str, Turn]]:
         if self.failures > 0:
@@ -200,6 +203,7 @@ async def test_limits_end_episodes_with_their_reason(tmp_path: Path) -> None:
         by_task = {g.task.task_id: g.rollouts for g in h.groups()}
         assert {r.finish_reason for r in by_task["turns"]} == {"max_turns"}
         assert {r.turns for r in by_task["turns"]} == {3}
+        assert h.backend.engine.finals.count(True) == 2, "the third turn of each 'turns' episode is its last"
         # Room for two turns and one observation: the second observation would pass the limit.
         assert {r.finish_reason for r in by_task["tokens"]} == {"max_total_tokens"}
         assert {len(r.token_ids) for r in by_task["tokens"]} == {len(PROMPT) + 2 * len(TURN) + len(OBSERVATION)}
