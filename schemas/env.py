@@ -63,6 +63,8 @@ class EnvStep(Message):
     def validate(self) -> None:
         if not self.episode_id:
             raise invalid(self, "episode_id", "must name the episode its reset opened")
+        if not 1 <= self.turn <= 1 << 20:
+            raise invalid(self, "turn", "must be the policy turn's number, from 1", got=str(self.turn))
 
 
 @dataclass(frozen=True)

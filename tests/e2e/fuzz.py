@@ -74,7 +74,8 @@ class Case:
 # --- valid bases -------------------------------------------------------------------------------
 
 def _task(uid: str, **kw: Any) -> Task:
-    return Task(run=RUN, task_id=uid, pool=POOL, env=ENV, prompt="12+34=", answer="46", group_size=2, **kw)
+    fields: dict[str, Any] = {"env": ENV, "prompt": "12+34=", **kw}
+    return Task(run=RUN, task_id=uid, pool=POOL, answer="46", group_size=2, **fields)
 
 
 def _rollout(uid: str, i: int = 0) -> Rollout:
@@ -191,6 +192,21 @@ def _targets() -> dict[str, Target]:
                lambda u: EnvStep(task=_task(u), episode_id=u, action_ids=np.array([3, 4], "<i4"), action_text="46"),
                _task_aims(("task",)) + (("action_neg", _arr(("action_ids",), np.array([-1], "<i4"))),
                                         ("episode_long", _set(("episode_id",), LONG))), request=True),
+        # An episode's later turns go to the replica holding it (the run's one environment, 'env-0'):
+        # the base opens a calculator episode there; the aims send turns it never opened, turns out
+        # of order, hostile limits and actions.
+        Target("env_step_replica", EnvStep, lambda s: s.env_step("calculator", "env-0"),
+               lambda u: EnvStep(task=_task(u, env="calculator", prompt="100+200+300+400="), episode_id=u,
+                                 action_text="calc(100+200+300+400)", turn=1),
+               _task_aims(("task",)) + (
+                   ("turn_unopened", _set(("turn",), 2)), ("turn_zero", _set(("turn",), 0)),
+                   ("turn_neg", _set(("turn",), -5)), ("turn_huge", _set(("turn",), 2**63 - 1)),
+                   ("max_tool_s_nan", _set(("task", "limits", "max_tool_s"), float("nan"))),
+                   ("max_turns_zero", _set(("task", "limits", "max_turns"), 0)),
+                   ("calc_deep", _set(("action_text",), "calc(" + "(" * 5000 + "1" + ")" * 5000 + ")")),
+                   ("calc_huge", _set(("action_text",), "calc(" + "9" * 5000 + "*" + "9" * 5000 + ")")),
+                   ("calc_div0", _set(("action_text",), "calc(1/0)")),
+                   ("episode_long", _set(("episode_id",), LONG))), request=True),
     ]
     return {x.name: x for x in t}
 
