@@ -5,8 +5,8 @@ lives in the replica that served the episode's first step; the generator sends i
 to that replica's own subject (``schemas.env``).  ``Episodes`` is that store: keyed by episode id,
 bounded (``max_episodes``: past it a new episode is refused, not an old one dropped), and swept
 (an episode idle past ``ttl_s`` is expired and its resources closed; a later step of it is
-refused with an error that says it expired, so the generator dead-letters the task instead of
-waiting).  ``EpisodeHost`` runs one step of an episode: it opens or finds the episode, calls the
+refused with an error that says it expired, so the generator ends that episode as an
+environment failure instead of waiting).  ``EpisodeHost`` runs one step of an episode: it opens or finds the episode, calls the
 environment, enforces the task's limits that the environment side can see (turns, tool time),
 and closes the episode when it ends.
 """
