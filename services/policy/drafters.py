@@ -11,14 +11,13 @@ its longest suffix (up to `max_ngram` tokens) that occurs somewhere else and pro
 tokens that followed the most recent occurrence. The drafter is deterministic, so to the
 acceptance rule (`speculative.accept_drafts`) it is a point mass.
 
-Cost is bounded: indexing a token touches `max_ngram` keys; each key remembers at most
-`per_key` occurrences; a proposal looks up at most `max_ngram` keys; the pool of
+Cost is bounded: indexing a token touches `max_ngram` keys; each key remembers only its most
+recent occurrence; a proposal looks up at most `max_ngram` keys; the pool of
 recent completions keeps at most `2 * recent` sequences.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterable, Sequence
 
 from services.policy.errors import PolicyError
@@ -33,12 +32,12 @@ class DrafterConfigError(PolicyError):
 class SuffixIndex:
     """Sequences that grow token by token, with every recent n-gram's continuations indexed."""
 
-    def __init__(self, max_ngram: int, per_key: int) -> None:
+    def __init__(self, max_ngram: int) -> None:
         self.max_ngram = max_ngram
-        self.per_key = per_key
         self.sequences: list[list[int]] = []
-        # n-gram -> (sequence, position right after the n-gram), oldest first.
-        self._where: dict[tuple[int, ...], deque[tuple[int, int]]] = {}
+        # n-gram -> (sequence, position right after its most recent occurrence): the most recent
+        # is the likeliest to continue the same way, and one entry per key bounds the index.
+        self._where: dict[tuple[int, ...], tuple[int, int]] = {}
 
     def new_sequence(self, tokens: Iterable[int] = ()) -> int:
         self.sequences.append([_START])
@@ -54,23 +53,19 @@ class SuffixIndex:
 
     def _index_before_last(self, seq: int) -> None:
         """Index the n-grams that the newest token continues. An n-gram is indexed only once
-        something follows it, so the bounded list of occurrences never fills up with sequence
-        ends that have nothing to propose (a row's own current suffix included)."""
+        something follows it, so a lookup never lands on a sequence end with nothing to propose
+        (a row's own current suffix included)."""
         body = self.sequences[seq]
         cont = len(body) - 1
         for n in range(1, min(self.max_ngram, cont) + 1):
-            key = tuple(body[cont - n:cont])
-            where = self._where.get(key)
-            if where is None:
-                where = self._where[key] = deque(maxlen=self.per_key)
-            where.append((seq, cont))
+            self._where[tuple(body[cont - n:cont])] = (seq, cont)
 
     def continuation(self, suffix: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the most recent occurrence of `suffix`."""
         where = self._where.get(tuple(suffix))
-        if not where:
+        if where is None:
             return []
-        seq, cont = where[-1]
+        seq, cont = where
         return self.sequences[seq][cont:cont + k]
 
 
@@ -78,17 +73,17 @@ class RecentCompletions:
     """Finished completions of recent prompts, bounded: two generations of `recent` sequences,
     the older dropped whole when the newer fills (no per-entry eviction to keep in step)."""
 
-    def __init__(self, recent: int = 64, *, max_ngram: int = 6, per_key: int = 4) -> None:
+    def __init__(self, recent: int = 64, *, max_ngram: int = 6) -> None:
         if recent < 1:
             raise DrafterConfigError(f"recent={recent}: keep at least one completion (or pass no pool)")
         self.recent = recent
-        self._max_ngram, self._per_key = max_ngram, per_key
-        self._new = SuffixIndex(max_ngram, per_key)
-        self._old = SuffixIndex(max_ngram, per_key)
+        self._max_ngram = max_ngram
+        self._new = SuffixIndex(max_ngram)
+        self._old = SuffixIndex(max_ngram)
 
     def add(self, completion: Sequence[int]) -> None:
         if len(self._new.sequences) >= self.recent:
-            self._old, self._new = self._new, SuffixIndex(self._max_ngram, self._per_key)
+            self._old, self._new = self._new, SuffixIndex(self._max_ngram)
         self._new.new_sequence(completion)
 
     def continuation(self, suffix: Sequence[int], k: int) -> list[int]:
@@ -99,15 +94,15 @@ class GroupDrafter:
     """Drafts for the rows of one group by suffix matching over the group's own tokens, then
     over `recent` completions of earlier prompts (see the module docstring)."""
 
-    def __init__(self, rows: int, *, max_ngram: int = 6, per_key: int = 4,
+    def __init__(self, rows: int, *, max_ngram: int = 6,
                  recent: RecentCompletions | None = None) -> None:
         if rows < 1:
             raise DrafterConfigError(f"rows={rows}: a group has at least one row")
-        if max_ngram < 1 or per_key < 1:
-            raise DrafterConfigError(f"max_ngram={max_ngram}, per_key={per_key}: use values >= 1")
+        if max_ngram < 1:
+            raise DrafterConfigError(f"max_ngram={max_ngram}: use a value >= 1 (the longest suffix matched)")
         self.max_ngram = max_ngram
         self.recent = recent
-        self._index = SuffixIndex(max_ngram, per_key)
+        self._index = SuffixIndex(max_ngram)
         self._rows = [self._index.new_sequence() for _ in range(rows)]
 
     def add_reference(self, completion: Sequence[int]) -> None:
