@@ -9,7 +9,11 @@ same target model through `accept_drafts`:
   live (batch 8): the prompt's 8 rows decoded together, each drafting from its siblings' tokens
     so far, its own, and the recent pool;
   tail (batch 1): one row decoded alone, drafting from the 7 sibling completions of the plain
-    group (the long-tail case: the rest of its group has finished).
+    group (the long-tail case: the rest of its group has finished);
+  reference (batch b in `--crossover`): b rows of the prompt decoded together, each drafting
+    from all 8 plain completions (as when a prompt is sampled again in a later epoch): drafts as
+    good as the tail's at every batch size, so where drafting stops paying shows the compute
+    crossover itself.
 
 The speculative loop here is a reference implementation, correctness first: each round feeds
 every row's last token plus its drafts (right-padded) in ONE target forward over the KV cache of
@@ -145,8 +149,8 @@ def _timed(fn: Any, *args: Any) -> tuple[tuple[float, float], Any]:
 class Repeat:
     """One pass over the prompts at one temperature: per mode, summed seconds and tokens."""
 
-    def __init__(self, model: Any, k: int, params: SamplingParams, seed: int) -> None:
-        self.model, self.k, self.params = model, k, params
+    def __init__(self, model: Any, k: int, params: SamplingParams, seed: int, crossover: list[int]) -> None:
+        self.model, self.k, self.params, self.crossover = model, k, params, crossover
         self.sampler = GroupSampler(StaticSlot(model))
         self.gen = torch.Generator().manual_seed(seed)
         self.recent = RecentCompletions(recent=64)
@@ -164,10 +168,17 @@ class Repeat:
     def _spec(self, prompt: list[int], drafter: GroupDrafter, rows: int, k: int, counts: Counts) -> list[list[int]]:
         return speculative_decode(self.model, prompt, drafter, rows, k, self.params, self.gen, counts)
 
-    def prompt(self, prompt: list[int], live: Counts, tail: Counts) -> None:
+    def prompt(self, prompt: list[int], live: Counts, tail: Counts, reference: dict[int, Counts]) -> None:
         sec, group = _timed(self._plain, prompt, 8)
         self._add("batch8/plain", sec, group)
-        self._add("batch1/plain", *_timed(self._plain, prompt, 1))
+        for rows in sorted({1, *self.crossover} - {8}):
+            self._add(f"batch{rows}/plain", *_timed(self._plain, prompt, rows))
+        for rows in self.crossover:
+            drafter = GroupDrafter(rows)
+            for completion in group:
+                drafter.add_reference(completion)
+            self._add(f"batch{rows}/reference_drafter",
+                      *_timed(self._spec, prompt, drafter, rows, self.k, reference.setdefault(rows, Counts())))
         for rows in (8, 1):
             self._add(f"batch{rows}/loop_no_drafts", *_timed(self._spec, prompt, GroupDrafter(rows), rows, 0, Counts()))
         self._add("batch8/group_drafter",
@@ -195,21 +206,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for temperature in (1.0, 0.7):
         params = SamplingParams(temperature=temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
         live, tail = Counts(), Counts()  # acceptance over every repeat
+        reference: dict[int, Counts] = {}
         repeats = []
         with torch.no_grad():
             for rep in range(args.repeats):
-                r = Repeat(model, args.k, params, args.seed + rep)
+                r = Repeat(model, args.k, params, args.seed + rep, args.crossover)
                 for prompt in prompts:
-                    r.prompt(prompt, live, tail)
+                    r.prompt(prompt, live, tail, reference)
                 repeats.append(r.sums)
         wall, cpu = _medians(repeats, 0), _medians(repeats, 1)
         report["per_temperature"][str(temperature)] = {
             "live_batch8": live.summary(), "tail_batch1": tail.summary(),
+            "reference": {f"batch{b}": c.summary() for b, c in sorted(reference.items())},
             "wall_us_per_token_median": wall, "cpu_us_per_token_median": cpu,
             "wall_speedup_vs_plain": {f"batch{b}": round(wall[f"batch{b}/plain"] / wall[f"batch{b}/group_drafter"], 3)
                                       for b in (1, 8)},
             "cpu_speedup_vs_plain": {f"batch{b}": round(cpu[f"batch{b}/plain"] / cpu[f"batch{b}/group_drafter"], 3)
                                      for b in (1, 8)},
+            "cpu_speedup_reference_drafter_vs_plain": {
+                f"batch{b}": round(cpu[f"batch{b}/plain"] / cpu[f"batch{b}/reference_drafter"], 3) for b in args.crossover},
         }
     return report
 
@@ -223,6 +238,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--crossover", type=lambda v: [int(b) for b in v.split(",")], default=[1, 2, 4, 8],
+                        help="batch sizes for the reference-drafter runs, comma-separated")
     print(json.dumps(run(parser.parse_args()), indent=1))
 
 

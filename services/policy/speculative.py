@@ -107,9 +107,9 @@ def accept_drafts(
     else:
         q_draft = torch.ones_like(p_draft) if draft_probs is None else (
             draft_probs.float().gather(-1, draft_ids[..., None]).squeeze(-1))
-        # u < p/q keeps with probability min(1, p/q); u is in [0, 1), so p == 0 never keeps and
-        # p >= q always keeps. q(x) == 0 cannot happen for a token the drafter drew; treat it as
-        # "always keep" (ratio inf), which is what the rule gives in the limit.
+        # u * q < p keeps with probability min(1, p/q) without dividing: u is in [0, 1), so
+        # p == 0 never keeps and p >= q always keeps. (q(x) == 0 cannot happen for a token the
+        # drafter really drew; it then keeps whenever p(x) > 0, the limit of the rule.)
         u = torch.rand((rows, k), generator=generator, device=generator.device).to(device)
         keep = u * q_draft < p_draft
     keep &= in_draft
