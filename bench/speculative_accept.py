@@ -1,5 +1,5 @@
 """Acceptance of the `group` drafter under exact speculative sampling, and its wall time vs plain
-decoding at batch sizes 1 and 8 (issue 16, first piece: no generator wiring yet).
+decoding at batch sizes 1 to 8 (issue 16, first piece: no generator wiring yet).
 
 Workload: `--prompts` addition prompts (train split, fixed seed). For each, a group of 8 is
 first sampled with the plain `GroupSampler`; those completions feed the pool of recent
