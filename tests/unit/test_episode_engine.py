@@ -13,35 +13,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2ForCausalLM
 
 from services.policy.episodes import EpisodeEngine, EpisodeInputError, Turn
 from services.policy.logprobs import completion_logprobs
-from services.policy.model_init import tiny_config
 from services.policy.sampler import GroupSampler, StaticSlot
 from services.policy.sampling import SamplingParams
-from services.policy.tokenizer import build_char_tokenizer, encode_prompt
+from services.policy.tokenizer import encode_prompt
+from tests.unit.conftest import fresh_model
 
 torch.set_num_threads(1)
 TOL = 1e-4
 HOT = SamplingParams(temperature=1.0)
 NUCLEUS = SamplingParams(temperature=0.7, top_p=0.9)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
-    return build_char_tokenizer()
-
-
-def _fresh_model(tokenizer, seed: int = 0) -> Qwen2ForCausalLM:  # type: ignore[no-untyped-def]
-    # Untrained: its mass is spread over many tokens, the hard case for logprob agreement.
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(tiny_config(tokenizer)).eval()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer) -> Qwen2ForCausalLM:  # type: ignore[no-untyped-def]
-    return _fresh_model(tokenizer)
 
 
 def _enc(tokenizer, text: str) -> list[int]:  # type: ignore[no-untyped-def]
@@ -248,7 +231,7 @@ class _StagedSlot:
 
 
 def test_a_weight_swap_mid_turn_and_between_turns_rebuilds_the_cache(tokenizer) -> None:  # type: ignore[no-untyped-def]
-    slot = _StagedSlot(_fresh_model(tokenizer, seed=1))
+    slot = _StagedSlot(fresh_model(tokenizer, seed=1))
     engine = EpisodeEngine(slot)
     prompt = encode_prompt(tokenizer, "321+654=")
     keys = [f"r{i}" for i in range(6)]

@@ -14,36 +14,20 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save as save_safetensors
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.policy.errors import PolicyLoadError, WeightMismatchError
 from services.policy.load import load_policy, load_state_from_safetensors
 from services.policy.logprobs import LogprobInputError, completion_logprobs
-from services.policy.model_init import ModelInitError, greedy_accuracy, init_model, tiny_config
+from services.policy.model_init import ModelInitError, greedy_accuracy, init_model
 from services.policy.sampler import GroupSampler, SampleOut, SamplerInputError, StaticSlot
 from services.policy.sampling import SamplingParams, SamplingParamsError, processed_logprobs
-from services.policy.tokenizer import build_char_tokenizer, encode_prompt
+from services.policy.tokenizer import encode_prompt
 from services.tasks.addition import make_split
+from tests.unit.conftest import fresh_model
 
 # Two intra-op threads are 5-30x slower on the 2-vCPU machines this runs on.
 torch.set_num_threads(1)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():  # type: ignore[no-untyped-def]
-    return build_char_tokenizer()
-
-
-def _fresh_model(tokenizer, seed: int = 0) -> Qwen2ForCausalLM:  # type: ignore[no-untyped-def]
-    # An untrained model spreads its mass over many tokens: a harder case for top-p and
-    # for logprob agreement than a confident trained one.
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(tiny_config(tokenizer)).eval()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer) -> Qwen2ForCausalLM:  # type: ignore[no-untyped-def]
-    return _fresh_model(tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +206,8 @@ class _SwapOnceSlot:
 
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_tokens_record_a_mid_sequence_weight_swap(tokenizer, prompts, deterministic: bool) -> None:  # type: ignore[no-untyped-def]
-    model = _fresh_model(tokenizer, seed=1)
-    old = _fresh_model(tokenizer, seed=1)
+    model = fresh_model(tokenizer, seed=1)
+    old = fresh_model(tokenizer, seed=1)
     # Call 1 is before the prefill; call k+1 is after token k: swap after 2 tokens.
     slot = _SwapOnceSlot(model, swap_on_call=3)
     params = SamplingParams(max_new_tokens=6)
@@ -251,14 +235,14 @@ def test_when_cheaper_swaps_mid_sequence_only_while_more_tokens_remain_than_the_
     width = max(len(p) for p in prompts)
     # Short completions: the prefix to rebuild is longer than what is left, so the batch
     # finishes on the weights it started with; maybe_swap is not even asked mid-sequence.
-    slot = _SwapOnceSlot(_fresh_model(tokenizer, seed=1), swap_on_call=2)
+    slot = _SwapOnceSlot(fresh_model(tokenizer, seed=1), swap_on_call=2)
     groups = GroupSampler(slot, mid_sequence_swap="when_cheaper").sample_groups(
         prompts, 4, SamplingParams(max_new_tokens=6), torch.Generator().manual_seed(4))
     assert slot.calls == 1 and slot.version == 0
     assert all((s.token_versions == 0).all() for s in _flat(groups))
     # Long enough that tokens left after the first outnumber the prefix: the swap happens at
     # the first decode step (call 2), so tokens from the second one on carry version 1.
-    slot = _SwapOnceSlot(_fresh_model(tokenizer, seed=1), swap_on_call=2)
+    slot = _SwapOnceSlot(fresh_model(tokenizer, seed=1), swap_on_call=2)
     long = 2 * width + 4
     params = SamplingParams(max_new_tokens=long, stop_token_ids=())
     groups = GroupSampler(slot, mid_sequence_swap="when_cheaper").sample_groups(
@@ -325,7 +309,7 @@ def test_load_policy_modes(model_dir: Path, tmp_path: Path) -> None:
 
 def test_weight_swap_from_safetensors_bytes_and_files(model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     live, _ = load_policy(model_dir)
-    other = _fresh_model(tokenizer, seed=7)
+    other = fresh_model(tokenizer, seed=7)
     payload = save_safetensors({k: v.contiguous() for k, v in other.state_dict().items()})
     assert load_state_from_safetensors(live, payload) == len(other.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(live.state_dict().values(), other.state_dict().values(), strict=True))
