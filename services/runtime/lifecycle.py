@@ -53,7 +53,8 @@ class Lifecycle:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGUSR1, log_where_everything_waits)
         # SIGUSR2: every thread's stack to stderr from the C level, which works when the event
-        # loop itself is blocked and SIGUSR1's handler never runs.
+        # loop itself is blocked and SIGUSR1's handler never runs.  Not while a SIGUSR1 dump is
+        # being written: faulthandler walks the frames without locks and can crash the process.
         with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
             faulthandler.register(signal.SIGUSR2, all_threads=True)
         self._installed = True

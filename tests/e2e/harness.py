@@ -97,11 +97,13 @@ class Pipeline:
     def ask_where_everything_waits(self) -> None:
         """SIGUSR1 and SIGUSR2 to every live service: each logs the stack of its asyncio tasks and
         writes every thread's stack to stderr (``services.runtime.lifecycle``)."""
-        for c in self.children.children:
-            if c.proc.poll() is None:
-                os.kill(c.proc.pid, signal.SIGUSR1)
-                os.kill(c.proc.pid, signal.SIGUSR2)
-        time.sleep(1.0)
+        # One signal at a time, a second apart: a C-level dump that lands while the asyncio dump
+        # is being written can crash the service (tests/unit/test_lifecycle.py).
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            for c in self.children.children:
+                if c.proc.poll() is None:
+                    os.kill(c.proc.pid, sig)
+            time.sleep(1.0)
 
     def logs(self) -> str:
         return "\n".join(f"--- {c.name}\n{c.tail(20)}" for c in self.children.children)

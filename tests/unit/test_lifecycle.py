@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import queue
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -223,19 +225,50 @@ WAITER = textwrap.dedent("""
 """)
 
 
+def _lines_until(proc: subprocess.Popen[str], found: Callable[[str], bool], timeout: float = 60.0) -> list[str]:
+    """The service's output lines read up to and including the first that ``found`` accepts.
+
+    A reader thread, so that a service that never prints it fails the test after ``timeout``
+    instead of blocking it."""
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    stream = proc.stdout
+
+    def read() -> None:
+        for line in stream:
+            lines.put(line)
+            if found(line):
+                return
+        lines.put("")  # end of output
+
+    threading.Thread(target=read, daemon=True).start()
+    seen: list[str] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        assert line, f"the service ended before printing what was awaited: {''.join(seen)}"
+        seen.append(line)
+        if found(line):
+            return seen
+
+
+def _is_task_dump(line: str) -> bool:
+    return "where_everything_waits" in line and not line.lstrip().startswith("File ")
+
+
 def test_sigusr1_logs_where_every_task_and_thread_waits_and_the_service_goes_on(tmp_path: Path) -> None:
     with ready_service(tmp_path, WAITER) as proc:
         proc.send_signal(signal.SIGUSR1)
+        dump = _lines_until(proc, _is_task_dump)[-1]
+        # SIGUSR2 only once the SIGUSR1 dump is written: faulthandler walks every thread's frames
+        # without the interpreter's locks, and a walk that lands while the main thread is pushing
+        # frames for the SIGUSR1 dump can crash the process (seen once in CI: SIGSEGV).
         proc.send_signal(signal.SIGUSR2)
-        time.sleep(1.0)
-        assert proc.poll() is None, "the dump must not stop the service"
+        c_dump = _lines_until(proc, lambda line: "Thread 0x" in line or "Current thread 0x" in line)
+        assert proc.poll() is None, "the dumps must not stop the service"
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
-    # Not a frame of the SIGUSR2 dump, which names log_where_everything_waits when it lands while
-    # the SIGUSR1 dump is being written (seen once beside a CPU burner).
-    dump = next(line for line in out.splitlines()
-                if "where_everything_waits" in line and not line.lstrip().startswith("File "))
     assert "batch-loop: " in dump and "pull_that_never_returns" in dump, dump
     assert "sampler" in dump, dump
-    assert "Thread 0x" in out or "Current thread 0x" in out, out  # SIGUSR2: the C-level dump of every thread
+    assert c_dump, "SIGUSR2: the C-level dump of every thread"
