@@ -115,11 +115,10 @@ def chat_endpoint(bus: Bus, subjects: Subjects, gen: Generator, run_cfg: RunSett
                   train_pools: list[str]) -> Any:
     """The OpenAI-compatible endpoint (services/chat) on this generator's backend, sampling under its
     model lock like the batch sampler and the episode engine."""
-    from transformers import AutoTokenizer
-
     from services.chat.server import ChatEndpoint
+    from services.policy.load import load_tokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(run_cfg.model_path, local_files_only=True)
+    tokenizer = load_tokenizer(run_cfg.model_path)
     return ChatEndpoint(bus, subjects, gen.backend, tokenizer, model_lock=gen.model_lock, model=cfg.openai.model or run_cfg.model_name,
                         generator_id=cfg.instance, options=cfg.openai,
                         default_pool=cfg.openai.pool or (train_pools[0] if train_pools else run_cfg.pools[0]),

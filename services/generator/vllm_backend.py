@@ -303,9 +303,9 @@ class VllmBackend(SampleMeter):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-        from transformers import AutoTokenizer
+        from services.policy.load import load_tokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        self.tokenizer = load_tokenizer(self.model_path)
         args = AsyncEngineArgs(
             model=self.model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", generation_config="vllm", enforce_eager=not opts["compile"],

@@ -5,7 +5,7 @@ Why it exists: the OpenAI-compatible endpoint (services/chat) needs a model whos
 a chat template that renders system, user, assistant and tool messages and assistant tool calls,
 and nothing can be downloaded here.  The tokenizer is trained with `tokenizers` on a few thousand
 generated dialogues (seconds); the template is saved inside tokenizer_config.json, so
-`AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, tools=...)` works as with
+`load_tokenizer(folder).apply_chat_template(messages, tools=...)` works as with
 any hub model.  The architecture is the project's tiny one (model_init.TINY_CONFIG) with a longer
 context, because a rendered tool schema alone is tens of tokens.
 

@@ -8,6 +8,7 @@ tensor is touched, so a bad message can never leave a half-updated policy behind
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -15,7 +16,13 @@ from typing import Literal
 import torch
 from safetensors import safe_open
 from safetensors.torch import load as load_safetensors_bytes
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from services.policy.errors import PolicyLoadError, WeightMismatchError
 
@@ -50,12 +57,36 @@ def load_policy(
         model = AutoModelForCausalLM.from_pretrained(
             folder, dtype=_DTYPES[dtype], attn_implementation=attn, local_files_only=True
         )
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        tokenizer = load_tokenizer(folder)
     except (OSError, ValueError, KeyError) as exc:
         raise PolicyLoadError(f"could not load the policy from {folder}: {exc}") from exc
     model.to(device)  # type: ignore[arg-type]  # mypy misreads the decorated PreTrainedModel.to
     model.eval()
     return model, tokenizer
+
+
+# The class names a folder's tokenizer_config.json gives to a tokenizer saved straight from its
+# tokenizer.json (what `save_pretrained` writes for a PreTrainedTokenizerFast).
+_GENERIC_TOKENIZER_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a model folder, exactly as it was saved.
+
+    Why not ``AutoTokenizer`` alone: transformers 5 swaps the saved class of some model types
+    (qwen2 among them) for that family's own tokenizer class, which rebuilds the pre-tokenizer.
+    For rlbus's local models that class drops the spaces of the character vocabulary and merges
+    the chat model's byte-level BPE differently, so prompts would reach the model as ids it was
+    never trained on.  A folder whose tokenizer was saved as the generic fast class is loaded as
+    that class; any other folder (a real model's) goes through ``AutoTokenizer`` as usual."""
+    folder = Path(path)
+    try:
+        saved = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        saved = None
+    if saved in _GENERIC_TOKENIZER_CLASSES and (folder / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def read_weights(source: WeightSource) -> dict[str, torch.Tensor]:

@@ -7,6 +7,9 @@ template's rendering of the new messages, and lays out mask, logprobs and versio
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -207,3 +210,10 @@ def test_reported_verifier() -> None:
     assert verifier(task, rollout).reward == 0.5
     with pytest.raises(ValueError, match="no reported reward"):
         verifier(task, Rollout(**{**rollout.__dict__, "rollout_id": "b"}))
+
+
+def test_the_chat_folder_loads_the_tokenizer_it_was_trained_with(chat_model_warm: Path, chat_tokenizer: Any) -> None:
+    from services.policy.load import load_tokenizer
+
+    text = "What is 12 + 345? calc(12+345) = 357, so the answer is 357."
+    assert load_tokenizer(chat_model_warm).encode(text) == chat_tokenizer.encode(text)

@@ -17,7 +17,7 @@ from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.policy.errors import PolicyLoadError, WeightMismatchError
-from services.policy.load import load_policy, load_state_from_safetensors
+from services.policy.load import load_policy, load_state_from_safetensors, load_tokenizer
 from services.policy.logprobs import LogprobInputError, completion_logprobs
 from services.policy.model_init import ModelInitError, greedy_accuracy, init_model
 from services.policy.sampler import GroupSampler, SampleOut, SamplerInputError, StaticSlot
@@ -286,6 +286,17 @@ def test_init_model_writes_a_loadable_hugging_face_folder(model_dir: Path) -> No
     assert hf_model.lm_head.weight.data_ptr() != hf_model.model.embed_tokens.weight.data_ptr()
     assert hf_model.config.vocab_size == len(hf_tok)
     assert hf_tok.decode(hf_tok.encode("321+123=444")) == "321+123=444"
+
+
+def test_load_tokenizer_gives_the_saved_ids_where_auto_tokenizer_does_not(model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "What is 12 + 3? 15"
+    loaded = load_tokenizer(model_dir)
+    assert loaded.encode(text, add_special_tokens=False) == tokenizer.encode(text, add_special_tokens=False)
+    assert loaded.decode(loaded.encode(text, add_special_tokens=False)) == text
+    # Why the loader exists: transformers swaps in Qwen2's own class for this folder, which drops
+    # the spaces.  If this starts to hold, AutoTokenizer is safe again and the loader can go.
+    auto = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    assert auto.encode(text, add_special_tokens=False) != tokenizer.encode(text, add_special_tokens=False)
 
 
 def test_init_model_is_deterministic_and_refuses_to_clobber(tmp_path: Path, model_dir: Path) -> None:
