@@ -76,3 +76,13 @@ def test_transcripts_are_episodes_the_verifier_scores_right_and_fit_the_context(
         assert find_call(call) is not None and score(task.answer, call + obs + task.answer) == 1.0
     ids, targets = training_batch(rows, int(tok.pad_token_id))
     assert int((targets != -100).sum()) == sum(sum(m) for _, m in rows)
+
+
+def test_the_deploy_config_is_a_valid_calculator_run() -> None:
+    from services.controller.settings import ControllerSettings
+    from services.runtime.config import RunSettings, load_section, read_toml
+
+    data = read_toml(str(Path(__file__).resolve().parents[2] / "deploy" / "configs" / "calculator.toml"))
+    run, up = load_section(RunSettings, data, "run"), load_section(UpSettings, data, "up")
+    assert (up.task, up.turn_tokens, run.model_path) == ("calculator", 24, "models/tiny-calculator")
+    assert load_section(ControllerSettings, data, "controller").eval_every > 0
