@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--steps", type=int, default=None, help="stop after this many trainer steps")
     up.add_argument("--run-dir", default=None, help="where the run folder goes (default runs/<run>-<time>)")
     up.add_argument("--no-view", action="store_true", help="plain log lines instead of the live view")
+    up.add_argument("--task", choices=["addition", "calculator"], default=None,
+                    help="the learning task (overrides [up] task; calculator plays multi-turn tool episodes)")
 
     serve = sub.add_parser("serve", help="run one service")
     # Not argparse choices: a named instance (generator-1, what systemd's rlbus@generator-1 passes)
@@ -69,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     auth_init.add_argument("--force", action="store_true", help="replace an existing auth.conf (new passwords)")
 
     init = sub.add_parser("init-model", help="build the small warm-started policy as a Hugging Face folder")
-    init.add_argument("--out", default="models/tiny-addition")
+    init.add_argument("--task", choices=["addition", "calculator"], default="addition",
+                      help="what the warm start teaches: addition answers, or calculator tool episodes")
+    init.add_argument("--out", default=None, help="model folder (default models/tiny-<task>)")
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--target", type=float, default=0.30, help="held-out accuracy at which the warm start stops")
     init.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
@@ -90,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "up":
         from services.up.main import up
 
-        return up(args.config, backend=args.backend, steps=args.steps, run_dir=args.run_dir, view=not args.no_view)
+        return up(args.config, backend=args.backend, steps=args.steps, run_dir=args.run_dir, view=not args.no_view,
+                  task=args.task)
     if args.cmd == "nats":
         from services.commands.nats import run_nats
 
@@ -115,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "init-model":
         from services.commands.init_model import init_model_cmd
 
-        return init_model_cmd(args.out, seed=args.seed, target=args.target, overwrite=args.overwrite)
+        return init_model_cmd(args.out or f"models/tiny-{args.task}", seed=args.seed, target=args.target,
+                              overwrite=args.overwrite, task=args.task)
     return 2
 
 

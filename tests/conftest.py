@@ -28,9 +28,12 @@ MODEL_SOURCES = ("services/policy/model_init.py", "services/policy/sampler.py", 
                  "services/policy/tokenizer.py", "services/tasks/addition.py")
 
 
-def _model_key() -> str:
+CALCULATOR_SOURCES = (*MODEL_SOURCES, "services/policy/calc_init.py", "services/tasks/calculator.py")
+
+
+def _model_key(sources: tuple[str, ...] = MODEL_SOURCES) -> str:
     h = hashlib.sha256()
-    for rel in MODEL_SOURCES:
+    for rel in sources:
         h.update((ROOT / rel).read_bytes())
     for dist in ("torch", "transformers"):
         h.update(metadata.version(dist).encode())
@@ -56,6 +59,25 @@ def tiny_model() -> Path:
 
             torch.set_num_threads(1)
             init_model(out, seed=0, overwrite=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+@pytest.fixture(scope="session")
+def calculator_model() -> Path:
+    """The policy `rlbus init-model --task calculator --seed 0` builds (tool-use transcripts, stopped at
+    a partial held-out accuracy; about 1.5 min on one thread), cached like ``tiny_model``."""
+    out = CACHE / f"tiny-calculator-seed0-{_model_key(CALCULATOR_SOURCES)}"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            import torch
+
+            from services.policy.calc_init import init_calculator_model
+
+            torch.set_num_threads(1)
+            init_calculator_model(out, seed=0, overwrite=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     return out
 

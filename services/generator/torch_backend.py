@@ -147,4 +147,5 @@ class TorchBackend(SampleMeter):
                 "generator/swap_pause_last_s": pauses[-1] if pauses else 0.0,
                 "generator/swap_pause_max_s": max(pauses) if pauses else 0.0,
                 "generator/sample_seconds": self.sample_seconds,
-                "generator/tokens": self.tokens}
+                # Sampled tokens of both paths: episodes decode in the episode engine, not through metered().
+                "generator/tokens": self.tokens + kv.get("decode_tokens", 0)}

@@ -71,6 +71,10 @@ def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedS
              TrainerKeys.REWARD_MEAN: float(rewards[base].mean()) if base.any() else 0.0,
              "batch/accuracy": float((rewards[base] >= 1.0).float().mean()) if base.any() else 0.0,
              "batch/completion_len": float(np.mean([len(s.completion) for s in seqs])) if seqs else 0.0}
+    # Policy turns per episode (1 for single-turn tasks): whether a tool task's episodes actually use the tool.
+    turns = [s.rollout.turns for d in batch for i, s in enumerate(d.group.scored) if d.train_mask[i]]
+    stats["batch/turns_mean"] = float(np.mean(turns)) if turns else 0.0
+    stats["batch/multi_turn"] = float(np.mean([t >= 2 for t in turns])) if turns else 0.0
     return seqs, stats
 
 

@@ -53,24 +53,52 @@ def backend_missing(backend: str) -> str | None:
             "machine, then run this again")
 
 
+# Where a task's warm-started policy is built when [run] model_path is not set.
+DEFAULT_MODEL_PATHS = {"addition": "models/tiny-addition", "calculator": "models/tiny-calculator"}
+
+
+def model_task(path: Path) -> str:
+    """The task a built model folder was warm-started on (models built before the calculator task
+    existed carry no ``task`` key: addition)."""
+    info = path / "rlbus_model.json"
+    return str(json.loads(info.read_text()).get("task", "addition")) if info.exists() else ""
+
+
 def ensure_model(path: Path, up_cfg: UpSettings) -> None:
     if (path / "config.json").exists():
+        built_for = model_task(path)
+        if built_for and built_for != up_cfg.task:
+            raise ConfigError(f"the model at {path} was warm-started on {built_for!r}, but [up] task = "
+                              f"{up_cfg.task!r}: set [run] model_path to another folder (e.g. "
+                              f"{DEFAULT_MODEL_PATHS[up_cfg.task]!r}) and it is built there")
         return
-    print(f"rlbus up: building the warm-started policy at {path} (once; ~1 min) …", flush=True)
-    subprocess.run([sys.executable, "-m", "services.cli", "init-model", "--out", str(path), "--seed",
-                    str(up_cfg.seed), "--target", str(up_cfg.init_target)], check=True,
+    print(f"rlbus up: building the warm-started {up_cfg.task} policy at {path} (once; ~1-2 min) …", flush=True)
+    subprocess.run([sys.executable, "-m", "services.cli", "init-model", "--task", up_cfg.task, "--out", str(path),
+                    "--seed", str(up_cfg.seed), "--target", str(up_cfg.init_target)], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
+    train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
+    sampling: dict[str, object] = {"max_new_tokens": up_cfg.turn_tokens}
+    if up_cfg.task == "calculator":
+        from services.policy.calc_init import TOOL_STOP
+        from services.tasks.calculator import make_split as calculator_split
+
+        # The tool turn ends at the call's closing parenthesis (the driver cuts it there), so the
+        # observation follows the call directly, as in the warm start's transcripts.
+        sampling["stop"] = [TOOL_STOP]
+        for path, split, n, temperature in ((train, "train", up_cfg.train_tasks, up_cfg.temperature),
+                                            (heldout, "heldout", up_cfg.eval_tasks, 0.0)):
+            lines = [json.dumps(t.record({**sampling, "temperature": temperature}), separators=(",", ":"))
+                     for t in calculator_split(split, n, up_cfg.seed)]
+            path.write_text("".join(line + "\n" for line in lines))
+        return train, heldout
     from services.tasks.addition import make_split, write_jsonl
 
-    train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
-    write_jsonl(train, make_split("train", up_cfg.train_tasks, up_cfg.seed),
-                {"temperature": up_cfg.temperature, "max_new_tokens": up_cfg.max_new_tokens})
+    write_jsonl(train, make_split("train", up_cfg.train_tasks, up_cfg.seed), {**sampling, "temperature": up_cfg.temperature})
     # Held-out evaluation is greedy: accuracy of the policy's most likely answer.
-    write_jsonl(heldout, make_split("heldout", up_cfg.eval_tasks, up_cfg.seed),
-                {"temperature": 0.0, "max_new_tokens": up_cfg.max_new_tokens})
+    write_jsonl(heldout, make_split("heldout", up_cfg.eval_tasks, up_cfg.seed), {**sampling, "temperature": 0.0})
     return train, heldout
 
 
@@ -121,7 +149,8 @@ def write_resolved_config(data: dict[str, Any], run_cfg: RunSettings, up_cfg: Up
     return resolved
 
 
-def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: str | None, view: bool) -> int:
+def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: str | None, view: bool,
+       task: str | None = None) -> int:
     try:
         data = read_toml(config)
         run_cfg = load_section(RunSettings, data, "run")
@@ -131,7 +160,11 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
             overrides["backend"] = backend
         if steps:
             overrides["max_steps"] = steps
+        if task:
+            overrides["task"] = task
         up_cfg = up_cfg.model_copy(update=overrides)
+        if "model_path" not in run_cfg.model_fields_set:  # each task has its own warm-started policy
+            run_cfg = run_cfg.model_copy(update={"model_path": DEFAULT_MODEL_PATHS[up_cfg.task]})
         ports = metrics_ports(run_cfg.metrics_port, [*SINGLETONS, *(f"generator-{i}" for i in range(up_cfg.generators))])
     except ConfigError as exc:
         print(f"rlbus up: {exc}", file=sys.stderr)
@@ -143,7 +176,11 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         return 2
     folder = Path(run_dir or (data.get("run", {}).get("run_dir") or f"runs/{run_cfg.run}-{time.strftime('%Y%m%d-%H%M%S')}"))
     folder.mkdir(parents=True, exist_ok=True)
-    ensure_model(Path(run_cfg.model_path), up_cfg)
+    try:
+        ensure_model(Path(run_cfg.model_path), up_cfg)
+    except ConfigError as exc:
+        print(f"rlbus up: {exc}", file=sys.stderr)
+        return 2
     train, heldout = write_tasks(folder, up_cfg)
 
     from bus.server import EmbeddedServer

@@ -36,7 +36,7 @@ class Monitor:
     version: int = 0
     tokens_per_s: float = 0.0
     generators: dict[str, Heartbeat] = field(default_factory=dict)
-    _eval_rounds: dict[int, list[tuple[float, int]]] = field(default_factory=lambda: defaultdict(list))
+    _eval_rounds: dict[int, list[tuple[float, int, int]]] = field(default_factory=lambda: defaultdict(list))
     _tok_hist: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     _rate_by: dict[str, float] = field(default_factory=dict)
 
@@ -73,15 +73,15 @@ class Monitor:
     def on_eval(self, group: ScoredGroup) -> dict[str, Any] | None:
         round_version = int(group.task.metadata.get("eval_version", -1))
         s = group.scored[0]
-        self._eval_rounds[round_version].append((s.reward, s.rollout.newest_version))
+        self._eval_rounds[round_version].append((s.reward, s.rollout.newest_version, s.rollout.turns))
         results = self._eval_rounds[round_version]
         if len(results) < self.eval_size:
             return None
         del self._eval_rounds[round_version]
-        versions = sorted({v for _, v in results})
+        versions = sorted({v for _, v, _ in results})
         row = {"kind": "eval", "t": round(time.time() - self.t0, 3), "eval_round": round_version,
-               "versions": versions, "pinned": versions == [round_version], "heldout/accuracy": sum(r for r, _ in results) / len(results), "n": len(results),
-               "trainer_step": self.last_step}
+               "versions": versions, "pinned": versions == [round_version], "heldout/accuracy": sum(r for r, _, _ in results) / len(results), "n": len(results),
+               "heldout/turns_mean": sum(t for _, _, t in results) / len(results), "trainer_step": self.last_step}
         self.evals.append(row)
         self._write(row)
         return row

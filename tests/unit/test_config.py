@@ -55,7 +55,7 @@ FROZEN_KEYS: dict[type, list[str]] = {
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
                          "refresh", "pool_mix", "route_period", "tau", "stall_after", "divergence"],
     DivergenceConfig: ["window", "reward_rise", "heldout_drop", "min_heldout", "min_steps", "z"],
-    UpSettings: ["train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
+    UpSettings: ["task", "train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
                  "max_new_tokens", "temperature", "init_target", "shutdown_grace"],
 }
 
