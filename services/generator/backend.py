@@ -11,9 +11,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from services.runtime.registry import Registry
+
+T = TypeVar("T")
 
 
 class Backend(Protocol):
@@ -101,13 +103,19 @@ class SampleMeter:
         self.tokens = 0
 
     def metered(self, call: Callable[[], list[list[Any]]]) -> list[list[Any]]:
+        out = self.paced(call)
+        self.tokens += sum(len(s.completion_ids) for g in out for s in g)
+        return out
+
+    def paced(self, call: Callable[[], T]) -> T:
+        """``call()``, its seconds counted and stretched by the slowdown (the episode engine's runs
+        go through here too; their tokens are counted by the engine)."""
         t0 = time.perf_counter()
         out = call()
         spent = time.perf_counter() - t0
         if self.slowdown > 1.0:
             time.sleep(spent * (self.slowdown - 1.0))
         self.sample_seconds += time.perf_counter() - t0
-        self.tokens += sum(len(s.completion_ids) for g in out for s in g)
         return out
 
 

@@ -149,19 +149,26 @@ class BatchDriver:
         return keep
 
     async def _hand_over_episodes(self, ready: list[Prompted]) -> list[Prompted]:
-        """The single-turn tasks; the episodic ones go to the episode driver, which plays and settles
-        them while this driver takes the next batch (or refuses them, when this backend cannot)."""
+        """The tasks this driver samples; the others go to the episode driver, which plays and settles
+        them while this driver takes the next batch: the episodic ones (or they are refused, when this
+        backend cannot play them), and with ``single_turn = "episodes"`` the single-turn training tasks
+        too, as one-turn episodes."""
         keep: list[Prompted] = []
         for h, prompt in ready:
-            if id(h) not in self._episodic:
+            episodic = id(h) in self._episodic
+            if not episodic and not self._one_turn_episode(h):
                 keep.append((h, prompt))
-            elif problem := self.episodes.supported():
+            elif episodic and (problem := self.episodes.supported()):
                 await self._refuse([h], f"task {h.task.task_id!r} is episodic: {problem}")
                 self.gen.give_back(int(not h.is_eval))
             else:
                 self.traces.outcome(h, "episodes")
-                self.episodes.admit(h, prompt, self.traces.detach(h))
+                self.episodes.admit(h, prompt, self.traces.detach(h), episodic=episodic)
         return keep
+
+    def _one_turn_episode(self, h: Held) -> bool:
+        # Held-out tasks stay here: the batch path samples them on their round's pinned weights.
+        return self.cfg.single_turn == "episodes" and not h.is_eval and not self.episodes.supported()
 
     # --- environments ------------------------------------------------------------------------------
     async def _reset(self, held: list[Held]) -> list[Prompted]:

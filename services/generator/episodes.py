@@ -124,6 +124,7 @@ class GroupRun:
     prompt: list[int]
     episodes: list[Episode]
     traces: BatchTraces
+    episodic: bool = True  # False: a single-turn task played as one-turn episodes (no environment step)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -189,16 +190,18 @@ class EpisodeDriver:
     def tasks_in_flight(self) -> int:
         return len(self.groups)
 
-    def admit(self, held: Held, prompt: list[int], traces: BatchTraces) -> None:
+    def admit(self, held: Held, prompt: list[int], traces: BatchTraces, *, episodic: bool = True) -> None:
         """Play ``held``'s task: ``group_size`` episodes from ``prompt``.  Its grant is already counted
-        as started; it is settled (published, acked) or handed back by this driver."""
+        as started; it is settled (published, acked) or handed back by this driver.  A task that is not
+        ``episodic`` (single-turn) ends each episode with its first turn, without an environment step:
+        the reward service scores it as it scores the batch path's samples."""
         task = held.task
         tag = f"{self.gen.boot}.{held.delivery.deliveries}"  # a redelivered task opens new episodes
         episodes = [Episode(key=f"{task.task_id}:{k}:{tag}", index=k, task=task, prompt_len=len(prompt))
                     for k in range(task.group_size)]
         if self.gen.eval_version(task) is not None:
             self.gen.eval_unpinned += 1  # episodes play on the live weights; their tokens say which versions
-        self.groups[task.task_id] = GroupRun(held, list(prompt), episodes, traces)
+        self.groups[task.task_id] = GroupRun(held, list(prompt), episodes, traces, episodic=episodic)
         self.gen.episode_tasks = len(self.groups)
         self.counters.started += len(episodes)
         keys = [e.key for e in episodes]
@@ -207,7 +210,7 @@ class EpisodeDriver:
             engine.open(keys, list(prompt))
             for key in keys:
                 engine.start_turn(key, self._sampling(task), self._stop_ids(), self._turn_tokens(task, len(prompt)),
-                                  final=task.limits.max_turns == 1)
+                                  final=not episodic or task.limits.max_turns == 1)
                 self._decoding.add(key)
 
         self._queue(keys, open_rows)
@@ -236,8 +239,12 @@ class EpisodeDriver:
             await self._hand_back_unfinished()
 
     def _run(self) -> list[tuple[str, Any]]:
+        engine = self._engine_now()
         with self.gen.model_lock:
-            return self._engine_now().run(self._rng, max_steps=self.STEPS_PER_RUN)
+            paced = getattr(self.gen.backend, "paced", None)  # the testing slowdown, as for batch calls
+            if paced is None:
+                return engine.run(self._rng, max_steps=self.STEPS_PER_RUN)
+            return paced(lambda: engine.run(self._rng, max_steps=self.STEPS_PER_RUN))
 
     def _engine_now(self) -> Any:
         if self._engine is None:
@@ -282,6 +289,9 @@ class EpisodeDriver:
         turn = self._cut_at_stop(ep, turn)
         ep.add_turn(turn)
         self.counters.turns += 1
+        if not self.groups[ep.task.task_id].episodic:
+            await self._end(ep, turn.finish_reason)
+            return
         reply = await self._step(ep, list(turn.ids))
         if reply is None:
             return

@@ -11,6 +11,8 @@ play episodes refuses an episodic task with the reason instead of failing.
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -327,3 +329,42 @@ async def test_a_backend_that_batches_by_itself_plays_episodes_through_sampled_t
         # Each turn's prompt is the row's ids so far: the observation appended, nothing re-tokenised.
         assert sorted(map(tuple, backend.prompts)) == sorted(
             [tuple(PROMPT)] * 2 + [tuple(PROMPT + sampled + OBSERVATION)] * 2)
+
+
+async def test_single_turn_tasks_play_as_one_turn_episodes_and_held_out_ones_stay_on_the_batch_path(
+        tmp_path: Path) -> None:
+    backend = EpisodeBackend()
+    async with Harness(tmp_path, backend=backend, pools=("train", "eval"), single_turn="episodes") as h:
+        steps: list[bytes] = []
+
+        async def step(data: bytes) -> bytes:
+            steps.append(data)
+            return EnvReply(episode_id="?", error="single-turn tasks take no step").encode()
+
+        await h.bus.serve(h.s.env_any("step"), step, queue="environment")
+        await h.tasks("train", 3)
+        await h.tasks("eval", 2, evaluate=True)
+        await h.admit(3)
+        await eventually(lambda: h.published() == Counter(train=3, eval=2), what="every group published")
+        await eventually(lambda: h.waiting("train") == 0 and h.waiting("eval") == 0, what="every task acked")
+        by_pool = {g.task.pool: g for g in h.groups()}
+        # Training tasks: one turn each on the engine (its tokens), no environment step, row closed.
+        for r in by_pool["train"].rollouts:
+            assert r.token_ids.tolist() == PROMPT + TURN
+            assert r.loss_mask.tolist() == [1, 1] and r.behaviour_logprobs.tolist() == [-0.5, -0.5]
+            assert (r.turns, r.finish_reason, r.env_error) == (1, "length", "")
+        assert backend.engine.finals == [True] * 6, "a one-turn episode keeps no KV for a next turn"
+        assert len(backend.engine.closed) == 6 and not backend.engine.rows
+        assert not steps, "no environment step for a single-turn task"
+        # Held-out tasks: the batch sampler's tokens ([7, 8]), so they ran on the pinned path.
+        assert {tuple(r.token_ids.tolist()) for r in by_pool["eval"].rollouts} == {(1, 2, 3, 7, 8)}
+        assert backend.calls == [2]
+
+
+async def test_the_slowdown_stretches_episode_engine_runs_too(tmp_path: Path) -> None:
+    from services.generator.backend import SampleMeter
+
+    meter = SampleMeter(slowdown=3.0)
+    t0 = time.perf_counter()
+    assert meter.paced(lambda: time.sleep(0.05) or "ran") == "ran"
+    assert time.perf_counter() - t0 >= 0.15 and meter.sample_seconds >= 0.15
