@@ -13,7 +13,10 @@ from tests.e2e.harness import run_up
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 
-def test_deterministic_mode_is_bit_exact_over_a_real_run(tiny_model: Path, tmp_path: Path) -> None:
+# "episodes": the single-turn tasks play on the episode engine (continuous batching), which must be
+# exactly as batch-invariant as the batch sampler.
+@pytest.mark.parametrize("single_turn", ["batch", "episodes"])
+def test_deterministic_mode_is_bit_exact_over_a_real_run(tiny_model: Path, tmp_path: Path, single_turn: str) -> None:
     _, rows = run_up(tmp_path, f"""
 [run]
 run = "determ"
@@ -24,6 +27,7 @@ max_staleness = 0
 
 [generator]
 deterministic = true
+single_turn = "{single_turn}"
 
 [trainer]
 deterministic = true
