@@ -49,10 +49,11 @@ class GeneratorSettings(Settings):
         "decode step (rebuilding in-flight rows' KV under the new weights); 'when_cheaper' does so only while the "
         "tokens left to decode outnumber the prefix to rebuild, else the batch finishes on its weights.")
     single_turn: Literal["batch", "episodes"] = Field(
-        "batch", description="Where single-turn training tasks are sampled: 'batch' in batch-synchronous calls (a "
-        "batch waits for its slowest row); 'episodes' on the episode engine as one-turn episodes (continuous "
-        "batching: a finished group's room is refilled at once).  Held-out tasks stay on the batch path, which "
-        "samples them on their round's pinned weights.  See README 'Single-turn tasks on the episode engine'.")
+        "batch", description="torch backend: where single-turn training tasks are sampled: 'batch' in "
+        "batch-synchronous calls (a batch waits for its slowest row); 'episodes' on the episode engine as one-turn "
+        "episodes (continuous batching: a finished group's room is refilled at once).  Held-out tasks stay on the "
+        "batch path, which samples them on their round's pinned weights; the vLLM backend batches continuously "
+        "inside its own calls either way.  See README 'Episodes and environments'.")
     eval_weights: Literal["pinned", "live"] = Field(
         "pinned", description="Held-out rounds: 'pinned' samples each round at exactly the version it was scheduled "
         "at, on a second copy of the model (torch backend; twice the weight memory); 'live' samples on the moving "
