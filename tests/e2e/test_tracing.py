@@ -26,7 +26,7 @@ from tests.e2e.otlp import OtlpReceiver, Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-N_TASKS = 8
+N_TASKS = 16  # slack: groups whose rewards are all equal are filtered (about 1 in 6 at this policy), groups that waited past the bound are dropped as stale
 GROUP_SIZE = 4
 BATCH_GROUPS = 2
 STEPS = 3
@@ -56,7 +56,7 @@ def publish(p: Pipeline, endpoint: str) -> list[str]:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = subprocess.run([sys.executable, "-m", "services.cli", "publish", str(path), "--pool", "train",
                           "--run", p.run, "--nats-url", p.server.url],
-                         env={**os.environ, **otel_env(endpoint)}, capture_output=True, text=True, timeout=60)
+                         env={**os.environ, **otel_env(endpoint)}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return [x["task_id"] for x in lines]
 
