@@ -26,7 +26,11 @@ from tests.e2e.otlp import OtlpReceiver, Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-N_TASKS = 16  # slack: groups whose rewards are all equal are filtered (about 1 in 6 at this policy), groups that waited past the bound are dropped as stale
+# More tasks than the 3 steps need: a group whose rewards are all equal is filtered (about 1 in 6 at
+# this policy) and one that waited past the bound is dropped as stale, so exactly 6 tasks could starve
+# the trainer.  Tasks the generator never takes (the grant stops growing with the trainer) have only
+# the publisher's root span; every task it took must have the whole connected trace.
+N_TASKS = 16
 GROUP_SIZE = 4
 BATCH_GROUPS = 2
 STEPS = 3
@@ -61,13 +65,24 @@ def publish(p: Pipeline, endpoint: str) -> list[str]:
     return [x["task_id"] for x in lines]
 
 
+def _settled(m: dict[str, float]) -> bool:
+    started = m.get("generator/groups_started", -1)
+    return (started == m.get("generator/groups_published") and m.get("generator/in_flight", 0) == 0
+            and started in (m.get("generator/grant_total"), N_TASKS))
+
+
 async def wait_for_work(p: Pipeline) -> None:
-    """Every task scored and the trainer done with its steps (checkpointed: the ledger is final)."""
+    """The trainer done with its steps (checkpointed: the ledger is final), then every group the
+    generator published scored."""
     bus = await p.bus()
     try:
-        await wait_heartbeat(bus, lambda hb: hb.service == "reward" and hb.metrics.get("reward/groups", 0) >= N_TASKS,
-                             timeout=300)
         await wait_heartbeat(bus, lambda hb: hb.service == "trainer" and hb.state == "done", timeout=300)
+        # The generator settled: all it started is published, and it can start no more (the grant is
+        # used up now that the trainer stopped raising it, or every task is taken).
+        published = (await wait_heartbeat(bus, lambda hb: hb.service == "generator" and _settled(hb.metrics),
+                                          timeout=300)).metrics["generator/groups_published"]
+        await wait_heartbeat(bus, lambda hb: hb.service == "reward" and hb.metrics.get("reward/groups", 0) >= published,
+                             timeout=300)
     finally:
         await bus.close()
 
@@ -98,7 +113,9 @@ def test_one_trace_per_task_across_processes(tiny_model: Path, tmp_path: Path) -
                                         for k in ("metrics", "control"))]
 
     task_trace: dict[str, str] = {}
-    for task_id in task_ids:
+    taken = [i for i in task_ids if any(s.name == f"generate {i}" for s in spans)]
+    assert len(taken) >= STEPS * BATCH_GROUPS, taken
+    for task_id in taken:
         traces = {s.trace_id for s in spans if s.attributes.get(t.TASK_ID) == task_id}
         assert len(traces) == 1, f"task {task_id}: spans in {len(traces)} traces"
         task_trace[task_id] = trace_id = traces.pop()
