@@ -70,11 +70,11 @@ class DraftLength:
     """How many tokens to draft per row: the k that maximises expected tokens per unit of cost.
 
     Acceptance: alpha, the chance that a drafted token is kept given the ones before it were,
-    estimated as kept / (kept + rejections) over recent drafting rounds (counts decayed by
-    `decay` per round, plus a prior of `prior_trials` trials at `prior_alpha`: measured tail
-    acceptance of the group drafter on the addition policy was 0.46-0.58, README). Decay pulls a
-    drafter that was switched off back towards the prior, so it gets re-measured after ~1/(1-decay)
-    rounds instead of staying off for good.
+    estimated as kept / (kept + rejections) over recent verify rounds (counts decayed by `decay`
+    per round, plus a prior of `prior_trials` trials at `prior_alpha`: measured tail acceptance
+    of the group drafter on the addition policy was 0.46-0.58, README). A drafter switched off
+    decays once per sampler call instead (`Speculation.begin_call`), back towards the prior, so it
+    is tried again some tens of calls later instead of staying off for good.
 
     Rule: a round with k drafts yields (1 - alpha^(k+1)) / (1 - alpha) tokens per row on average
     and costs `1 + overhead + per_token * k * rows` plain decode steps; k is the argmax over
@@ -185,6 +185,11 @@ class Speculation:
 
     def begin_call(self) -> None:
         self.last_call = TailStats()
+        for length in self.lengths.values():
+            if length.k(1) == 0:
+                # Switched off, so no round measures it: let it drift back to the prior, so it
+                # is tried again after some calls instead of staying off for good.
+                length.observe(0, 0)
 
     def end_call(self, completions: Sequence[Sequence[int]]) -> None:
         if not self.enabled:
