@@ -2,8 +2,11 @@
 `group`, same prompts, same seeds, on the addition task's run shape (issue 16, second piece).
 
 Workload: addition prompts (train split, fixed seed), groups of 8 (the default group_size),
-sampled at batch 1 (one group per call: the most tail there can be) and at the default batch
-(`--batch-groups`, 32 groups per call as [run] batch_groups / [generator] max_batch_groups).
+sampled at batch 1 (one group per call) and at the default batch (`--batch-groups`, 32 groups
+per call as [run] batch_groups / [generator] max_batch_groups). On the tiny addition policy a
+group's rows end within a step of each other, so these two shapes show what drafting costs
+where there is (almost) no tail. `tail1` / `tail2` time the tail case itself: 1 or 2 rows of a
+prompt whose other group-mates finished (their completions are in the drafter's pool).
 Each call gets its own seeded generator, the same for every mode; the speculative modes keep
 their drafter's pool of recent completions and measured acceptance across calls, as a generator
 does. Modes: `off`, and `group` at each `--tail-rows`.
@@ -24,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +49,29 @@ def _sum(into: TailStats, s: TailStats) -> None:
         setattr(into, name, getattr(into, name) + getattr(s, name))
 
 
-def one_pass(model: Any, calls: list[list[list[int]]], params: SamplingParams, spec: Speculation | None,
+@dataclass
+class Shape:
+    """Calls of `rows` samples per prompt; `siblings[i]`: finished completions of call i's prompt
+    that a speculative pass adds to its pool before the call (untimed), as when the rest of the
+    group has finished and these rows are its tail."""
+
+    calls: list[list[list[int]]]
+    rows: int
+    siblings: list[list[list[int]]] | None = None
+
+
+def one_pass(model: Any, shape: Shape, params: SamplingParams, spec: Speculation | None,
              seed: int, totals: TailStats) -> tuple[list[float], list[float], int]:
     """Every call once: (wall s per call, CPU s per call, tokens)."""
     sampler = GroupSampler(StaticSlot(model), speculation=spec)
     walls, cpus, tokens = [], [], 0
-    for i, prompts in enumerate(calls):
+    for i, prompts in enumerate(shape.calls):
+        if spec is not None and shape.siblings is not None:
+            for c in shape.siblings[i]:
+                spec.recent.add(c)
         gen = torch.Generator().manual_seed(seed * 100_003 + i)
         t0, c0 = time.perf_counter(), time.process_time()
-        groups = sampler.sample_groups(prompts, 8, params, generator=gen)
+        groups = sampler.sample_groups(prompts, shape.rows, params, generator=gen)
         walls.append(time.perf_counter() - t0)
         cpus.append(time.process_time() - c0)
         tokens += sum(len(s.completion_ids) for g in groups for s in g)
@@ -62,7 +80,7 @@ def one_pass(model: Any, calls: list[list[list[int]]], params: SamplingParams, s
     return walls, cpus, tokens
 
 
-def shape(model: Any, calls: list[list[list[int]]], params: SamplingParams, args: argparse.Namespace) -> dict[str, Any]:
+def compare(model: Any, shape: Shape, params: SamplingParams, args: argparse.Namespace) -> dict[str, Any]:
     modes: dict[str, SpeculationConfig | None] = {"off": None}
     for rows in args.tail_rows:
         modes[f"group_tail{rows}"] = SpeculationConfig(drafter="group", tail_rows=rows, max_k=args.max_k)
@@ -70,10 +88,10 @@ def shape(model: Any, calls: list[list[list[int]]], params: SamplingParams, args
     per_mode: dict[str, list[tuple[float, float, float, int]]] = {m: [] for m in modes}
     totals = {m: TailStats() for m in modes}
     specs = {m: Speculation(c) if c is not None else None for m, c in modes.items()}
-    one_pass(model, calls[:1], params, None, 999, TailStats())  # warm-up
+    one_pass(model, Shape(shape.calls[:1], shape.rows), params, None, 999, TailStats())  # warm-up
     for rep in range(args.repeats):
         for m in modes:  # interleaved, so machine load drifts hit every mode alike
-            walls, cpus, tokens = one_pass(model, calls, params, specs[m], rep, totals[m])
+            walls, cpus, tokens = one_pass(model, shape, params, specs[m], rep, totals[m])
             per_mode[m].append((statistics.median(walls), statistics.median(cpus), tokens / sum(walls), tokens))
     for m in modes:
         rows = per_mode[m]
@@ -104,12 +122,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"model": args.model or "tests tiny model", "group_size": 8, "temperature": args.temperature,
                               "top_p": args.top_p, "max_new_tokens": args.max_new_tokens, "max_k": args.max_k,
                               "repeats": args.repeats, "shapes": {}}
-    shapes = {"batch1": [[p] for p in prompts[: args.calls]],
-              f"batch{args.batch_groups}": [prompts[i * args.batch_groups:(i + 1) * args.batch_groups]
-                                             for i in range(args.default_calls)]}
+    batch1 = [[p] for p in prompts[: args.calls]]
+    shapes = {"batch1": Shape(batch1, 8),
+              f"batch{args.batch_groups}": Shape([prompts[i * args.batch_groups:(i + 1) * args.batch_groups]
+                                                  for i in range(args.default_calls)], 8)}
     with torch.no_grad():
-        for name, calls in shapes.items():
-            report["shapes"][name] = {"calls": len(calls), **shape(model, calls, params, args)}
+        if args.tail_shapes:
+            # The tail case itself: 1 or 2 rows of a prompt whose other group-mates finished.
+            sampler, gen = GroupSampler(StaticSlot(model)), torch.Generator().manual_seed(args.seed)
+            siblings = [[s.completion_ids for s in sampler.sample_groups(c, 8, params, generator=gen)[0]] for c in batch1]
+            for rows in (1, 2):
+                shapes[f"tail{rows}"] = Shape(batch1, rows, [s[rows:] for s in siblings])
+        for name, shape in shapes.items():
+            report["shapes"][name] = {"calls": len(shape.calls), "rows_per_prompt": shape.rows,
+                                      **compare(model, shape, params, args)}
     return report
 
 
@@ -126,6 +152,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=6, help="the addition task's turn cap")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tail-shapes", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time tail1/tail2: 1 or 2 rows of a prompt whose other group-mates finished")
     print(json.dumps(run(parser.parse_args()), indent=1))
 
 
