@@ -20,6 +20,11 @@ still to decode outnumber the prefix to recompute: short completions then finish
 they started with (their tokens say so) and the next call starts on the new ones, while long
 generations still move to new weights within the sequence.
 
+Speculative tail (`speculation`, off unless given): once no more than `tail_rows` rows are still
+decoding, the sampler hands them, their KV and their tokens to `spec_tail.TailDecoder`, which
+finishes them by draft-and-verify: same distribution, same behaviour log-probs (the target's),
+same version labels and swap points, fewer target forwards when the drafts are good.
+
 Deterministic mode: after sampling, behaviour log-probs are recomputed with
 `completion_logprobs(..., deterministic=True)` — the trainer's own batch-invariant function —
 so the two are bit-identical. That is only possible when every token of the sample came from

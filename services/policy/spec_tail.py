@@ -32,15 +32,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
 from services.policy.drafters import GroupDrafter, RecentCompletions
 from services.policy.errors import PolicyError
 from services.policy.sampling import SamplingParams, processed_logprobs
-from services.policy.speculative import accept_drafts
+from services.policy.speculative import Verified, accept_drafts
+
+if TYPE_CHECKING:  # the sampler imports this module
+    from services.policy.sampler import ModelSlot, _Completions
 
 DrafterName = Literal["off", "group"]
 
@@ -171,7 +175,6 @@ class Speculation:
         self.recent = RecentCompletions(recent=recent)
         self.lengths = {config.drafter: DraftLength(config.max_k)}
         self.last_call = TailStats()
-        self.calls_with_tail = 0
 
     @property
     def enabled(self) -> bool:
@@ -198,9 +201,8 @@ class Speculation:
             if c:
                 self.recent.add(c)
 
-    def decode_tail(self, slot: Any, state: TailRows, out: Any, params: SamplingParams,
+    def decode_tail(self, slot: ModelSlot, state: TailRows, out: _Completions, params: SamplingParams,
                     generator: torch.Generator, stop: set[int], swap_rule: SwapRule) -> None:
-        self.calls_with_tail += 1
         TailDecoder(self, slot, state, out, params, generator, stop, swap_rule).run()
 
 
@@ -218,7 +220,7 @@ class _Live:
 class TailDecoder:
     """One call's tail: draft-and-verify rounds until every tail row stopped (module docstring)."""
 
-    def __init__(self, spec: Speculation, slot: Any, state: TailRows, out: Any, params: SamplingParams,
+    def __init__(self, spec: Speculation, slot: ModelSlot, state: TailRows, out: _Completions, params: SamplingParams,
                  generator: torch.Generator, stop: set[int], swap_rule: SwapRule) -> None:
         self.spec, self.slot, self.out, self.params, self.gen = spec, slot, out, params, generator
         self.stop, self.swap_rule, self.state = stop, swap_rule, state
@@ -233,7 +235,22 @@ class TailDecoder:
         mask = state.mask[idx] if state.mask is not None else \
             torch.ones((len(state.rows), width), dtype=torch.long, device=self.device)
         self.live = _Live(list(state.rows), mask, state.next_pos[idx], state.last[idx], cache)
+        self._compact()
         self.drafters = self._drafters()
+
+    def _compact(self) -> None:
+        """Drop cache columns no tail row attends to (left padding of prompts longer than every
+        tail row's): a single row then has no masked column at all, and its verify forwards run
+        without a mask, on the attention fast path the plain loop uses."""
+        live = self.live
+        used = live.mask.bool().any(dim=0)
+        if bool(used.all()) or not live.rows:
+            return
+        cols = used.nonzero().squeeze(-1)
+        for layer in live.cache.layers:
+            layer.keys = layer.keys.index_select(2, cols)
+            layer.values = layer.values.index_select(2, cols)
+        live.mask = live.mask[:, cols]
 
     def _drafters(self) -> dict[int, tuple[GroupDrafter, int]]:
         """One GroupDrafter per prompt with a tail row, holding all n rows' tokens so far: a tail
@@ -312,8 +329,12 @@ class TailDecoder:
                                  device=self.device).reshape(rows, width)
         lens = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=self.device)
         block = torch.arange(width + 1, device=self.device)
+        # No mask when no column is masked out (every row sees the whole cache and drafts the
+        # same number of tokens): positions then equal cache columns for every row.
+        dense = bool(live.mask.all()) and bool((lens == width).all())
         fwd = self.model(input_ids=torch.cat([live.last[:, None], draft_ids], 1),
-                         attention_mask=torch.cat([live.mask, (block[None, :] <= lens[:, None]).long()], 1),
+                         attention_mask=None if dense else
+                         torch.cat([live.mask, (block[None, :] <= lens[:, None]).long()], 1),
                          position_ids=live.next_pos[:, None] + block[None, :], past_key_values=live.cache,
                          use_cache=True)
         target = processed_logprobs(fwd.logits, self.params.temperature, self.params.top_p)
@@ -331,7 +352,7 @@ class TailDecoder:
         stats.verify_s += time.perf_counter() - t1
         self._record(drafts, verified)
 
-    def _record(self, drafts: list[list[int]], verified: Any) -> None:
+    def _record(self, drafts: list[list[int]], verified: Verified) -> None:
         stats, out = self.stats, self.out
         accepted = verified.accepted.tolist()
         stats.rounds += 1
@@ -355,7 +376,7 @@ class TailDecoder:
         if len(still) < len(self.live.rows):
             self._keep(still)
 
-    def _append(self, r: int, tokens: list[int], logps: Any) -> int:
+    def _append(self, r: int, tokens: list[int], logps: np.ndarray) -> int:
         """Write row r's emitted tokens, cut at a stop id or the budget; how many were written."""
         out = self.out
         at = int(out.length[r])
@@ -381,3 +402,4 @@ class TailDecoder:
             live.cache.batch_select_indices(idx)
         live.rows = [live.rows[i] for i in still]
         live.mask, live.next_pos, live.last = live.mask[idx], live.next_pos[idx], live.last[idx]
+        self._compact()
