@@ -42,6 +42,25 @@ class GeneratorKeys:
         return None
 
 
+class SpeculativeKeys:
+    """Emitted by the torch generator backend with [generator.speculative] drafter on: what the last
+    sampler call's tail did (services/policy/spec_tail.py TailStats); read by ``rlbus status`` and
+    metrics.jsonl. Zeros when the call had no tail (its rows finished together)."""
+
+    ACCEPTANCE_RATE = "generator/spec/acceptance_rate"  # drafted tokens kept / drafted
+    MEAN_ACCEPTED_LEN = "generator/spec/mean_accepted_len"  # kept per row-round that drafted
+    TOKENS_PER_FORWARD = "generator/spec/tokens_per_forward"  # tail tokens per row per target forward
+    DRAFT_S = "generator/spec/draft_s"  # seconds proposing drafts
+    VERIFY_S = "generator/spec/verify_s"  # seconds in verify forwards and the acceptance rule
+    TAIL_TOKENS = "generator/spec/tail_tokens"  # tokens emitted by the tail
+    K = "generator/spec/k"  # draft length of the last round
+
+    @staticmethod
+    def key(name: str) -> str:
+        """The key of a ``TailStats.metrics()`` entry."""
+        return f"generator/spec/{name}"
+
+
 class TrainerKeys:
     """Emitted by the trainer; read by the controller (state.py, divergence.py), ``rlbus up`` and
     ``rlbus status``."""

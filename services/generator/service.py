@@ -79,7 +79,7 @@ def pools_of(run_cfg: RunSettings, cfg: GeneratorSettings) -> tuple[list[str], l
 def build_backend(run_cfg: RunSettings, cfg: GeneratorSettings, *, pin_eval: bool) -> Backend:
     return BACKENDS.create(cfg.backend, model_path=run_cfg.model_path, dtype=cfg.dtype, deterministic=cfg.deterministic,
                            slowdown=cfg.slowdown, vllm=cfg.vllm, mid_sequence_swap=cfg.mid_sequence_swap,
-                           pin_eval=pin_eval)
+                           pin_eval=pin_eval, speculative=cfg.speculative)
 
 
 async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: Lifecycle,

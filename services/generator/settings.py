@@ -2,7 +2,7 @@
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.runtime.config import Settings
 
@@ -15,6 +15,22 @@ class VllmOptions(Settings):
     block_size: int | None = Field(None, ge=1, description="KV block size in tokens; prefix caching shares only whole "
                                    "blocks (None = vLLM's default: 128 on CPU, where it must be a multiple of 32).")
     compile: bool = Field(False, description="torch.compile the model (slow start on CPU; False = eager).")
+
+
+class SpeculativeOptions(Settings):
+    """Speculative decoding in the tail of each sampler call ([generator.speculative] table; torch backend).
+
+    Off by default: on the addition task's run shape (groups of 8, 32 groups a batch, answers of
+    at most 6 tokens) the rows of a batch finish within a step or two of each other, so there is
+    almost no tail to draft in (bench/speculative_tail.py, README)."""
+
+    drafter: Literal["off", "group"] = Field("off", description="'group': the last rows of a batch draft from their "
+                                             "group's siblings and recent completions and are verified by the policy "
+                                             "(exact: the samples' distribution is unchanged); 'off': plain decoding.")
+    tail_rows: int = Field(2, ge=1, le=1024, description="Drafting starts once this many rows or fewer are still "
+                           "decoding (measured crossover on a CPU: drafting pays at 1-2 rows, not from 4).")
+    max_k: int = Field(4, ge=1, le=16, description="Most tokens drafted per row per verify forward (the draft "
+                       "length adapts below it to the measured acceptance and the rows left).")
 
 
 class ChatEndpointOptions(Settings):
@@ -67,3 +83,15 @@ class GeneratorSettings(Settings):
                              "endpoint for unmodified agents (0 = off); see README 'Chat endpoint'.")
     openai: ChatEndpointOptions = Field(default_factory=ChatEndpointOptions, description="Chat endpoint options.")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM backend options (threads, KV cache, blocks).")
+    speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions, description=(
+        "Speculative decoding of the batch's tail (torch backend): drafter, tail_rows, max_k."))
+
+    @model_validator(mode="after")
+    def _speculation_needs_torch(self) -> "GeneratorSettings":
+        if self.backend == "vllm" and self.speculative.drafter != "off":
+            raise ValueError(
+                f"[generator.speculative] drafter = {self.speculative.drafter!r} is a torch-backend feature: set "
+                "drafter = \"off\" with backend = \"vllm\", or backend = \"torch\". (vLLM's own n-gram drafting would "
+                "need its speculative_config = {method = \"ngram\", num_speculative_tokens = k, prompt_lookup_max, "
+                "prompt_lookup_min} at engine start; rlbus does not pass it yet)")
+        return self

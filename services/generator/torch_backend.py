@@ -9,11 +9,13 @@ from typing import Any
 
 import torch
 
+from schemas.metric_keys import SpeculativeKeys
 from services.generator.backend import SampleMeter
 from services.policy.episodes import EpisodeEngine
 from services.policy.load import check_weights, copy_weights, load_policy, load_state_from_safetensors, read_weights
 from services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
 from services.policy.sampling import SamplingParams
+from services.policy.spec_tail import Speculation, SpeculationConfig
 
 
 class WeightSlot:
@@ -66,14 +68,27 @@ def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingPara
     return params, gen
 
 
+def _speculation(options: Any) -> Speculation | None:
+    """[generator.speculative] (a SpeculativeOptions, a dict, or None) as the sampler's speculative tail."""
+    if options is None:
+        return None
+    values = options if isinstance(options, dict) else options.model_dump()
+    config = SpeculationConfig(**values)
+    return Speculation(config) if config.drafter != "off" else None
+
+
 class TorchBackend(SampleMeter):
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
                  slowdown: float = 1.0, mid_sequence_swap: MidSequenceSwap = "when_cheaper", pin_eval: bool = False,
-                 **_: Any) -> None:
+                 speculative: Any = None, **_: Any) -> None:
         model, tokenizer = load_policy(model_path, dtype=dtype, attn="eager" if deterministic else "sdpa")  # type: ignore[arg-type]
         self.tokenizer = tokenizer
         self.slot = WeightSlot(model, version)
-        self.sampler = GroupSampler(self.slot, deterministic=deterministic, mid_sequence_swap=mid_sequence_swap)
+        # The live sampler only: held-out rounds on the pinned copy decode plainly, so drafting
+        # never touches what the held-out accuracy measures.
+        self.speculation = _speculation(speculative)
+        self.sampler = GroupSampler(self.slot, deterministic=deterministic, mid_sequence_swap=mid_sequence_swap,
+                                    speculation=self.speculation)
         # A second copy that never follows the live weights: held-out rounds sample it at exactly
         # the version they were scheduled at.  Copied now, so it starts at the initial version,
         # which no manifest carries.
@@ -148,4 +163,12 @@ class TorchBackend(SampleMeter):
                 "generator/swap_pause_max_s": max(pauses) if pauses else 0.0,
                 "generator/sample_seconds": self.sample_seconds,
                 # Sampled tokens of both paths: episodes decode in the episode engine, not through metered().
-                "generator/tokens": self.tokens + kv.get("decode_tokens", 0)}
+                "generator/tokens": self.tokens + kv.get("decode_tokens", 0),
+                **self._speculation_metrics()}
+
+    def _speculation_metrics(self) -> dict[str, float]:
+        """The last sampler call's speculative tail (SpeculativeKeys); none while drafting is off."""
+        if self.speculation is None:
+            return {}
+        last = self.speculation.last_call.metrics()
+        return {SpeculativeKeys.key(name): value for name, value in last.items()}

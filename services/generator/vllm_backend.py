@@ -274,7 +274,12 @@ class VllmBackend(SampleMeter):
     """The Backend protocol on vLLM's ``AsyncLLM`` (see the module docstring)."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
-                 slowdown: float = 1.0, vllm: Any = None, seed: int = 0, **_: Any) -> None:
+                 slowdown: float = 1.0, vllm: Any = None, seed: int = 0, speculative: Any = None, **_: Any) -> None:
+        drafter = getattr(speculative, "drafter", "off") if not isinstance(speculative, dict) else \
+            speculative.get("drafter", "off")
+        if drafter != "off":
+            raise VllmBackendError(f"[generator.speculative] drafter = {drafter!r} is a torch-backend feature: set it "
+                                   "to \"off\" with the vllm backend (vLLM's own n-gram drafting is not wired yet)")
         if deterministic:
             raise VllmBackendError("deterministic mode (bit-identical to the trainer) is a torch-backend feature: "
                                    "set [generator] backend = \"torch\" or deterministic = false")

@@ -20,6 +20,11 @@ still to decode outnumber the prefix to recompute: short completions then finish
 they started with (their tokens say so) and the next call starts on the new ones, while long
 generations still move to new weights within the sequence.
 
+Speculative tail (`speculation`, off unless given): once no more than `tail_rows` rows are still
+decoding, the sampler hands them, their KV and their tokens to `spec_tail.TailDecoder`, which
+finishes them by draft-and-verify: same distribution, same behaviour log-probs (the target's),
+same version labels and swap points, fewer target forwards when the drafts are good.
+
 Deterministic mode: after sampling, behaviour log-probs are recomputed with
 `completion_logprobs(..., deterministic=True)` — the trainer's own batch-invariant function —
 so the two are bit-identical. That is only possible when every token of the sample came from
@@ -42,6 +47,7 @@ from transformers import DynamicCache, PreTrainedModel
 from services.policy.errors import PolicyError
 from services.policy.logprobs import completion_logprobs
 from services.policy.sampling import SamplingParams, processed_logprobs
+from services.policy.spec_tail import Speculation, TailRows
 
 FinishReason = Literal["stop", "length"]
 LogprobSource = Literal["incremental", "recomputed"]
@@ -199,10 +205,12 @@ class GroupSampler:
     """Samples groups of completions through a `ModelSlot` (see the module docstring)."""
 
     def __init__(self, model_slot: ModelSlot, *, deterministic: bool = False,
-                 mid_sequence_swap: MidSequenceSwap = "next_step") -> None:
+                 mid_sequence_swap: MidSequenceSwap = "next_step", speculation: Speculation | None = None) -> None:
         self.slot = model_slot
         self.deterministic = deterministic
         self.mid_sequence_swap = mid_sequence_swap
+        # None or drafter "off": plain decoding to the end of every call.
+        self.speculation = speculation
 
     def _swap_worthwhile(self, prefix_len: int, remaining: int) -> bool:
         return self.mid_sequence_swap == "next_step" or remaining >= prefix_len
@@ -233,8 +241,12 @@ class GroupSampler:
             else:
                 generator.seed()
         self.slot.maybe_swap()
+        if self.speculation is not None:
+            self.speculation.begin_call()
         with torch.no_grad():
             rows = self._decode(prompts, n, params, generator)
+        if self.speculation is not None:
+            self.speculation.end_call([s.completion_ids for s in rows])
         if self.deterministic:
             self._recompute(prompts, n, rows, params)
         return [rows[i * n : (i + 1) * n] for i in range(len(prompts))]
@@ -263,6 +275,13 @@ class GroupSampler:
             tok, lp = _draw(logits, params, generator, device)
             out.record(step, tok, lp, version, stop)
             if step + 1 == params.max_new_tokens or bool(out.done.all()):
+                break
+            if self.speculation is not None and self.speculation.wants_tail(int((~out.done).sum())):
+                # The few rows left finish by draft-and-verify (services/policy/spec_tail.py).
+                live = (~out.done).nonzero().squeeze(-1).tolist()
+                self.speculation.decode_tail(
+                    self.slot, TailRows(live, cache, mask, next_pos, tok, prompt_ids, prompt_lens, n), out, params,
+                    generator, set(stop.tolist()), self._swap_worthwhile)
                 break
             if mask is not None:
                 mask = torch.cat([mask, out.new_column], dim=1)  # now covers `tok`

@@ -16,7 +16,7 @@ from services.broadcast.settings import BroadcastSettings
 from services.controller.divergence import DivergenceConfig
 from services.controller.settings import ControllerSettings
 from services.environment.settings import EnvironmentSettings
-from services.generator.settings import ChatEndpointOptions, GeneratorSettings
+from services.generator.settings import ChatEndpointOptions, GeneratorSettings, SpeculativeOptions
 from services.reward.settings import RewardSettings
 from services.runtime.config import (
     ConfigError,
@@ -41,7 +41,8 @@ FROZEN_KEYS: dict[type, list[str]] = {
     RetentionSettings: ["queue_max_msgs", "queue_max_mib", "scored_keep_steps", "scored_max_mib", "control_per_subject",
                         "dead_max_msgs", "dead_max_mib", "objects_max_mib"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "min_batch_groups", "batch_wait_s", "threads", "dtype", "deterministic",
-                        "admission", "mid_sequence_swap", "single_turn", "eval_weights", "seed", "env_timeout", "slowdown", "slowdown_file", "openai_port", "openai", "vllm"],
+                        "admission", "mid_sequence_swap", "single_turn", "eval_weights", "seed", "env_timeout", "slowdown", "slowdown_file", "openai_port", "openai", "vllm", "speculative"],
+    SpeculativeOptions: ["drafter", "tail_rows", "max_k"],
     ChatEndpointOptions: ["host", "model", "pool", "env", "max_tokens", "group_timeout_s", "episode_ttl_s"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
                       "objective", "advantages", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",

@@ -1,0 +1,405 @@
+"""Speculative decoding in the tail of a sampler call: the last few rows of a batch continue by
+draft-and-verify instead of one token per forward.
+
+Why the tail: a plain decode step costs about the same for 1 row as for 8 on this CPU (one
+forward of the tiny policy with a cache: ~2.4 ms at 1 row, ~3.2 ms at 8, ~4.4 ms at 32, one
+thread), so when a batch is down to its last rows each step is nearly all overhead. A forward
+over the last token plus k drafted ones costs little more than over one (1 row: x1.2 for k = 1..4;
+8 rows: x1.2 at k = 1, x1.4 at k = 4), so every accepted draft is a step saved. With more rows the
+verify forward grows with rows x (k + 1) and the drafts of a group's rows, all at the same
+position, have nothing to copy yet: bench/speculative_accept.py measured the crossover between
+2 and 4 rows and a loss of 0.68x for a group of 8 decoded in lockstep (README).
+
+How (`TailDecoder`): the live rows' KV is taken out of the batch cache (`batch_select_indices`),
+left padding and all. Each round every row proposes up to k tokens from `GroupDrafter` (its
+siblings' tokens, its own, recent completions of earlier calls); ONE target forward over each
+row's last token and its drafts (right-padded, masked, explicit positions) gives the target's
+processed distribution at every drafted position; `accept_drafts` keeps a prefix and draws the
+correction or bonus token. The cache columns of rejected drafts are masked out for the rows that
+rejected them and cropped where every row did, so no later token attends to them. A row with no
+draft just feeds its last token: a plain decode step. Behaviour log-probs are the target's
+processed log-probs of the emitted tokens, and every token is labelled with the version whose
+forward produced it, as in plain decoding. A staged weight swap is applied between target
+forwards (the same `when_cheaper` rule as the plain loop) and the tail rows' cache is rebuilt
+from their full prefixes under the new weights. Stop ids and `max_new_tokens` cut a row exactly
+where plain decoding would: drafts never run past the budget and tokens after a stop are dropped.
+
+Adaptive draft length (`DraftLength`): see its docstring.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from services.policy.drafters import GroupDrafter, RecentCompletions
+from services.policy.errors import PolicyError
+from services.policy.sampling import SamplingParams, processed_logprobs
+from services.policy.speculative import Verified, accept_drafts
+
+if TYPE_CHECKING:  # the sampler imports this module
+    from services.policy.sampler import ModelSlot, _Completions
+
+DrafterName = Literal["off", "group"]
+
+
+class SpeculationConfigError(PolicyError):
+    """A speculative decoding setting is outside its valid range."""
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    """What the sampler drafts with and when ([generator.speculative] on the generator)."""
+
+    drafter: DrafterName = "off"
+    tail_rows: int = 2
+    max_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.drafter not in ("off", "group"):
+            raise SpeculationConfigError(f"drafter={self.drafter!r}: use 'off' or 'group'")
+        if self.tail_rows < 1:
+            raise SpeculationConfigError(f"tail_rows={self.tail_rows}: use a value >= 1 (rows left when drafting starts)")
+        if not 1 <= self.max_k <= 16:
+            raise SpeculationConfigError(f"max_k={self.max_k}: use a value in 1..16 (most tokens drafted per row per round)")
+
+
+class DraftLength:
+    """How many tokens to draft per row: the k that maximises expected tokens per unit of cost.
+
+    Acceptance: alpha, the chance that a drafted token is kept given the ones before it were,
+    estimated as kept / (kept + rejections) over recent verify rounds (counts decayed by `decay`
+    per round, plus a prior of `prior_trials` trials at `prior_alpha`: measured tail acceptance
+    of the group drafter on the addition policy was 0.46-0.58, README). A drafter switched off
+    decays once per sampler call instead (`Speculation.begin_call`), back towards the prior, so it
+    is tried again some tens of calls later instead of staying off for good.
+
+    Rule: a round with k drafts yields (1 - alpha^(k+1)) / (1 - alpha) tokens per row on average
+    and costs `1 + overhead + per_token * k * rows` plain decode steps; k is the argmax over
+    0..max_k of their ratio, and 0 (a plain step) whenever no k beats 1. Constants from this CPU
+    (tiny policy, one thread): a verify forward over 2-5 tokens costs 1.2-1.3x a one-token step at
+    1-2 rows and 1.4x at 8 rows with k = 4, and drafting plus the acceptance rule add ~0.1 of a
+    step: overhead 0.3, per_token 0.02. Break-even is then alpha ~ 0.35 at 1 row. More rows than
+    `tail_rows`: always 0 (the sampler never enters the tail).
+    """
+
+    overhead = 0.3
+    per_token = 0.02
+    decay = 0.95
+    prior_alpha = 0.5
+    prior_trials = 2.0
+
+    def __init__(self, max_k: int) -> None:
+        self.max_k = max_k
+        self.kept = 0.0
+        self.trials = 0.0
+
+    @property
+    def alpha(self) -> float:
+        return (self.kept + self.prior_alpha * self.prior_trials) / (self.trials + self.prior_trials)
+
+    def observe(self, kept: int, trials: int) -> None:
+        """One verify round: `kept` drafted tokens kept over all rows, `trials` = kept + rejections."""
+        self.kept = self.kept * self.decay + kept
+        self.trials = self.trials * self.decay + trials
+
+    def k(self, rows: int) -> int:
+        a = min(self.alpha, 0.999)
+        best_k, best = 0, 1.0
+        for k in range(1, self.max_k + 1):
+            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.overhead + self.per_token * k * rows)
+            if gain > best + 1e-9:
+                best_k, best = k, gain
+        return best_k
+
+
+@dataclass
+class TailStats:
+    """What speculation did in one sampler call (zeros when the call never reached the tail)."""
+
+    rounds: int = 0  # target forwards in the tail
+    row_forwards: int = 0  # rows in those forwards
+    tokens: int = 0  # tokens emitted in the tail
+    drafted: int = 0
+    kept: int = 0
+    drafting_rows: int = 0  # row-rounds that drafted at least one token
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    k_last: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "acceptance_rate": self.kept / self.drafted if self.drafted else 0.0,
+            "mean_accepted_len": self.kept / self.drafting_rows if self.drafting_rows else 0.0,
+            "tokens_per_forward": self.tokens / self.row_forwards if self.row_forwards else 0.0,
+            "draft_s": self.draft_s,
+            "verify_s": self.verify_s,
+            "tail_tokens": float(self.tokens),
+            "k": float(self.k_last),
+        }
+
+
+@dataclass
+class TailRows:
+    """The batch's state at the hand-over, for the rows still decoding.
+
+    `cache` holds every batch row's prompt (left-padded to `width` columns) and its completion
+    tokens but the newest (`last`, not fed yet); `mask` covers those columns (None: no padding).
+    """
+
+    rows: list[int]  # batch row indices still decoding
+    cache: DynamicCache
+    mask: torch.Tensor | None
+    next_pos: torch.Tensor  # [batch] position of `last`
+    last: torch.Tensor  # [batch] newest token of each row
+    prompt_ids: torch.Tensor  # [prompts, width] left-padded
+    prompt_lens: torch.Tensor  # [prompts]
+    n: int  # rows per prompt
+
+
+SwapRule = Callable[[int, int], bool]
+
+
+class Speculation:
+    """The sampler's speculative tail: configuration, the per-drafter draft length, the pool of
+    recent completions, and the last call's statistics."""
+
+    def __init__(self, config: SpeculationConfig, *, recent: int = 64) -> None:
+        self.config = config
+        self.recent = RecentCompletions(recent=recent)
+        self.lengths = {config.drafter: DraftLength(config.max_k)}
+        self.last_call = TailStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.drafter != "off"
+
+    def wants_tail(self, live_rows: int) -> bool:
+        """Hand the rest of the call to the tail now? Only with few rows left and a drafter whose
+        measured acceptance makes some k worth drafting at this row count."""
+        return self.enabled and 0 < live_rows <= self.config.tail_rows and \
+            self.lengths[self.config.drafter].k(live_rows) > 0
+
+    def begin_call(self) -> None:
+        self.last_call = TailStats()
+        for length in self.lengths.values():
+            if length.k(1) == 0:
+                # Switched off, so no round measures it: let it drift back to the prior, so it
+                # is tried again after some calls instead of staying off for good.
+                length.observe(0, 0)
+
+    def end_call(self, completions: Sequence[Sequence[int]]) -> None:
+        if not self.enabled:
+            return
+        for c in completions:
+            if c:
+                self.recent.add(c)
+
+    def decode_tail(self, slot: ModelSlot, state: TailRows, out: _Completions, params: SamplingParams,
+                    generator: torch.Generator, stop: set[int], swap_rule: SwapRule) -> None:
+        TailDecoder(self, slot, state, out, params, generator, stop, swap_rule).run()
+
+
+@dataclass
+class _Live:
+    """Per tail row (aligned with the tensors of the tail batch)."""
+
+    rows: list[int]
+    mask: torch.Tensor
+    next_pos: torch.Tensor
+    last: torch.Tensor
+    cache: DynamicCache
+
+
+class TailDecoder:
+    """One call's tail: draft-and-verify rounds until every tail row stopped (module docstring)."""
+
+    def __init__(self, spec: Speculation, slot: ModelSlot, state: TailRows, out: _Completions, params: SamplingParams,
+                 generator: torch.Generator, stop: set[int], swap_rule: SwapRule) -> None:
+        self.spec, self.slot, self.out, self.params, self.gen = spec, slot, out, params, generator
+        self.stop, self.swap_rule, self.state = stop, swap_rule, state
+        self.length = spec.lengths[spec.config.drafter]
+        self.stats = spec.last_call
+        self.model, self.version = slot.model, slot.version
+        self.device = state.last.device
+        idx = torch.tensor(state.rows, dtype=torch.long, device=self.device)
+        cache = state.cache
+        cache.batch_select_indices(idx)
+        width = cache.get_seq_length()
+        mask = state.mask[idx] if state.mask is not None else \
+            torch.ones((len(state.rows), width), dtype=torch.long, device=self.device)
+        self.live = _Live(list(state.rows), mask, state.next_pos[idx], state.last[idx], cache)
+        self._compact()
+        self.drafters = self._drafters()
+
+    def _compact(self) -> None:
+        """Drop cache columns no tail row attends to (left padding of prompts longer than every
+        tail row's): a single row then has no masked column at all, and its verify forwards run
+        without a mask, on the attention fast path the plain loop uses."""
+        live = self.live
+        used = live.mask.bool().any(dim=0)
+        if bool(used.all()) or not live.rows:
+            return
+        cols = used.nonzero().squeeze(-1)
+        for layer in live.cache.layers:
+            layer.keys = layer.keys.index_select(2, cols)
+            layer.values = layer.values.index_select(2, cols)
+        live.mask = live.mask[:, cols]
+
+    def _drafters(self) -> dict[int, tuple[GroupDrafter, int]]:
+        """One GroupDrafter per prompt with a tail row, holding all n rows' tokens so far: a tail
+        row drafts from its finished siblings and itself, then from recent completions."""
+        n, out = self.state.n, self.out
+        lengths = out.length.tolist()
+        by_prompt: dict[int, GroupDrafter] = {}
+        found: dict[int, tuple[GroupDrafter, int]] = {}
+        for row in self.live.rows:
+            p = row // n
+            if p not in by_prompt:
+                drafter = GroupDrafter(n, recent=self.spec.recent)
+                for j in range(n):
+                    r = p * n + j
+                    drafter.extend(j, out.tokens[r, : lengths[r]].tolist())
+                by_prompt[p] = drafter
+            found[row] = (by_prompt[p], row % n)
+        return found
+
+    def run(self) -> None:
+        while self.live.rows:
+            if self._swap_due():
+                self._rebuild()
+            self._round()
+
+    def _lengths(self) -> list[int]:
+        return [int(self.out.length[r]) for r in self.live.rows]
+
+    def _swap_due(self) -> bool:
+        lengths = self._lengths()
+        prefix = int(self.state.prompt_lens.max()) + max(lengths)
+        remaining = self.params.max_new_tokens - min(lengths)
+        return self.swap_rule(prefix, remaining) and self.slot.maybe_swap()
+
+    def _rebuild(self) -> None:
+        """New weights: every tail row's prefix (prompt + completion but its newest token) is
+        prefilled again under them, so later tokens come from exactly the new policy."""
+        self.model, self.version = self.slot.model, self.slot.version
+        n, out = self.state.n, self.out
+        seqs = []
+        for r in self.live.rows:
+            p = r // n
+            plen = int(self.state.prompt_lens[p])
+            prompt = self.state.prompt_ids[p, self.state.prompt_ids.shape[1] - plen:]
+            seqs.append(torch.cat([prompt, out.tokens[r, : int(out.length[r]) - 1]]))
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long, device=self.device)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = s
+            mask[i, width - len(s):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        fwd = self.model(input_ids=ids, attention_mask=mask, position_ids=positions,
+                         past_key_values=DynamicCache(config=self.model.config), use_cache=True, logits_to_keep=1)
+        self.live.cache, self.live.mask = fwd.past_key_values, mask
+        self.live.next_pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
+
+    def _drafts(self, k: int) -> list[list[int]]:
+        drafts = []
+        for r in self.live.rows:
+            room = self.params.max_new_tokens - int(self.out.length[r]) - 1  # the correction/bonus needs one
+            drafter, j = self.drafters[r]
+            drafts.append(drafter.propose(j, min(k, room)) if room > 0 else [])
+        return drafts
+
+    def _round(self) -> None:
+        live, stats = self.live, self.stats
+        t0 = time.perf_counter()
+        k = self.length.k(len(live.rows))
+        stats.k_last = k
+        drafts = self._drafts(k)
+        t1 = time.perf_counter()
+        rows = len(live.rows)
+        width = max(len(d) for d in drafts)
+        draft_ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long,
+                                 device=self.device).reshape(rows, width)
+        lens = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=self.device)
+        block = torch.arange(width + 1, device=self.device)
+        # No mask when no column is masked out (every row sees the whole cache and drafts the
+        # same number of tokens): positions then equal cache columns for every row.
+        dense = bool(live.mask.all()) and bool((lens == width).all())
+        fwd = self.model(input_ids=torch.cat([live.last[:, None], draft_ids], 1),
+                         attention_mask=None if dense else
+                         torch.cat([live.mask, (block[None, :] <= lens[:, None]).long()], 1),
+                         position_ids=live.next_pos[:, None] + block[None, :], past_key_values=live.cache,
+                         use_cache=True)
+        target = processed_logprobs(fwd.logits, self.params.temperature, self.params.top_p)
+        verified = accept_drafts(target, draft_ids, lens, self.gen, greedy=self.params.temperature == 0.0)
+        live.cache = fwd.past_key_values
+        # Columns past the longest kept prefix hold only rejected drafts: drop them; shorter
+        # rows' rejected columns stay masked out.
+        keep_cols = int(verified.accepted.max()) + 1
+        if keep_cols < width + 1:
+            live.cache.crop(-(width + 1 - keep_cols))
+        live.mask = torch.cat([live.mask, (block[None, :keep_cols] <= verified.accepted[:, None]).long()], 1)
+        live.next_pos = live.next_pos + verified.emitted
+        live.last = verified.tokens.gather(1, verified.accepted[:, None]).squeeze(-1)
+        stats.draft_s += t1 - t0
+        stats.verify_s += time.perf_counter() - t1
+        self._record(drafts, verified)
+
+    def _record(self, drafts: list[list[int]], verified: Verified) -> None:
+        stats, out = self.stats, self.out
+        accepted = verified.accepted.tolist()
+        stats.rounds += 1
+        kept_all, trials_all = 0, 0
+        still = []
+        for i, (r, (tokens, logps)) in enumerate(zip(self.live.rows, verified.rows(), strict=True)):
+            stats.row_forwards += 1
+            if drafts[i]:
+                stats.drafting_rows += 1
+                stats.drafted += len(drafts[i])
+                stats.kept += accepted[i]
+                kept_all += accepted[i]
+                trials_all += accepted[i] + (accepted[i] < len(drafts[i]))
+            emitted = self._append(r, tokens, logps)
+            stats.tokens += emitted
+            drafter, j = self.drafters[r]
+            drafter.extend(j, tokens[:emitted])
+            if not bool(out.done[r]) and int(out.length[r]) < self.params.max_new_tokens:
+                still.append(i)
+        self.length.observe(kept_all, trials_all)
+        if len(still) < len(self.live.rows):
+            self._keep(still)
+
+    def _append(self, r: int, tokens: list[int], logps: np.ndarray) -> int:
+        """Write row r's emitted tokens, cut at a stop id or the budget; how many were written."""
+        out = self.out
+        at = int(out.length[r])
+        written = 0
+        for t, lp in zip(tokens, logps, strict=True):
+            if at >= self.params.max_new_tokens:
+                break
+            out.tokens[r, at] = t
+            out.logps[r, at] = float(lp)
+            out.versions[r, at] = self.version
+            at += 1
+            written += 1
+            if t in self.stop:
+                out.done[r] = True
+                break
+        out.length[r] = at
+        return written
+
+    def _keep(self, still: list[int]) -> None:
+        live = self.live
+        idx = torch.tensor(still, dtype=torch.long, device=self.device)
+        if still:
+            live.cache.batch_select_indices(idx)
+        live.rows = [live.rows[i] for i in still]
+        live.mask, live.next_pos, live.last = live.mask[idx], live.next_pos[idx], live.last[idx]
+        self._compact()
