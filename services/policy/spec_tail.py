@@ -69,6 +69,14 @@ class SpeculationConfig:
         if not 1 <= self.max_k <= 16:
             raise SpeculationConfigError(f"max_k={self.max_k}: use a value in 1..16 (most tokens drafted per row per round)")
 
+    @classmethod
+    def of(cls, options: object) -> SpeculationConfig:
+        """[generator.speculative] as backends receive it: a SpeculativeOptions, a dict, or None (off)."""
+        if options is None:
+            return cls()
+        values = options if isinstance(options, dict) else options.model_dump()  # type: ignore[attr-defined]
+        return cls(**values)
+
 
 class DraftLength:
     """How many tokens to draft per row: the k that maximises expected tokens per unit of cost.
