@@ -69,11 +69,26 @@ def _wide_model(vocab: int) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg).eval()
 
 
+def per_sequence(model: torch.nn.Module, seqs: Seqs, params: Any, *, grad: bool = False) -> list[torch.Tensor]:
+    """Deterministic mode before the fixed shapes (until 2026-12-05): every sequence forwarded alone,
+    unpadded, with eager attention.  Kept here as the baseline the fixed shape is measured against."""
+    from services.policy.sampling import processed_logprobs
+    from services.policy.sequences import attention
+
+    out = []
+    with torch.set_grad_enabled(grad), attention(model, "eager"):
+        for prompt, completion in seqs:
+            ids = torch.tensor([[*prompt, *completion]], dtype=torch.long)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=len(completion) + 1).logits[0, :len(completion)]
+            out.append(processed_logprobs(logits, params.temperature, params.top_p)
+                       .gather(-1, ids[0, len(prompt):].unsqueeze(-1)).squeeze(-1))
+    return out
+
+
 def invariance(model: torch.nn.Module, seqs: Seqs, others: Seqs, shapes: Any, other_bucket: int) -> dict[str, Any]:
     from dataclasses import replace
 
     from services.policy.exact import fixed_shape_logprobs
-    from services.policy.logprobs import completion_logprobs
     from services.policy.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
@@ -101,7 +116,7 @@ def invariance(model: torch.nn.Module, seqs: Seqs, others: Seqs, shapes: Any, ot
         two_threads = fixed(seqs, attn=attn)
         torch.set_num_threads(1)
         out[attn] = {
-            "alone_vs_fixed": _compare(completion_logprobs(model, seqs, params, deterministic=True), base),
+            "alone_vs_fixed": _compare(per_sequence(model, seqs, params), base),
             "neighbours": _compare(base, shuffled),
             "train_grad": _compare(base, trained),
             "other_batch_size": _compare(base, fixed(seqs, attn=attn, shapes=replace(shapes, batch_size=3))),
@@ -109,9 +124,9 @@ def invariance(model: torch.nn.Module, seqs: Seqs, others: Seqs, shapes: Any, ot
             "threads_1_vs_2": _compare(base, two_threads),
         }
     out["sdpa_vs_eager"] = _compare(fixed(seqs, attn="sdpa"), fixed(seqs, attn="eager"))
-    alone_1 = completion_logprobs(model, seqs, params, deterministic=True)
+    alone_1 = per_sequence(model, seqs, params)
     torch.set_num_threads(2)
-    alone_2 = completion_logprobs(model, seqs, params, deterministic=True)
+    alone_2 = per_sequence(model, seqs, params)
     torch.set_num_threads(1)
     out["alone_threads_1_vs_2"] = _compare(alone_1, alone_2)
     return out
@@ -144,9 +159,9 @@ def cost(model: torch.nn.Module, seqs: Seqs, variants: Sequence[Any], repeats: i
         model.zero_grad(set_to_none=True)
 
     runs: dict[str, Callable[[], object]] = {
-        "infer_s/per_sequence": lambda: completion_logprobs(model, seqs, params, deterministic=True),
+        "infer_s/per_sequence": lambda: per_sequence(model, seqs, params),
         "infer_s/default": lambda: completion_logprobs(model, seqs, params),
-        "fwd_bwd_s/per_sequence": lambda: backward(completion_logprobs(model, seqs, params, deterministic=True, grad=True)),
+        "fwd_bwd_s/per_sequence": lambda: backward(per_sequence(model, seqs, params, grad=True)),
         "fwd_bwd_s/default": lambda: backward(completion_logprobs(model, seqs, params, grad=True)),
     }
     if groups is not None:

@@ -28,18 +28,14 @@ as in every Qwen2 config rlbus builds).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from services.policy.errors import PolicyError
-from services.policy.logprobs import PromptCompletion, check_sequences
 from services.policy.sampling import SamplingParams, processed_logprobs
-
-AttnName = Literal["sdpa", "eager"]
+from services.policy.sequences import AttnName, PromptCompletion, attention, check_sequences
 
 
 class FixedShapesError(PolicyError):
@@ -84,21 +80,15 @@ class FixedShapes:
         """Token slots computed for `lengths`, pads and fill rows included (the cost)."""
         return sum(self.batch_size * width for width, _ in self.plan(lengths))
 
+    def for_model(self, max_positions: int | None) -> FixedShapes:
+        """These shapes with ``max_len`` the model's context (a bucket never passes it)."""
+        return FixedShapes(self.batch_size, self.bucket, max_positions) if max_positions else self
 
-@contextmanager
-def attention(model: torch.nn.Module, attn: AttnName) -> Iterator[None]:
-    """Run the block with attention implementation `attn`, then restore the model's own.
-    Not thread-safe: one process drives one model, as everywhere in rlbus."""
-    config = getattr(model, "config", None)
-    previous = getattr(config, "_attn_implementation", None)
-    if config is None or previous in (None, attn):
-        yield
-        return
-    model.set_attn_implementation(attn)  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)  # type: ignore[operator]
+
+# The shapes of deterministic mode on both sides (``completion_logprobs(..., deterministic=True)``):
+# one constant, so a generator and a trainer cannot disagree.  16-token buckets keep the padding of
+# short completions small (the addition task's sequences are 15-20 tokens); 8 rows a batch.
+DETERMINISTIC_SHAPES = FixedShapes(batch_size=8, bucket=16)
 
 
 def fixed_shape_logprobs(
