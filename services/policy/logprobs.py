@@ -7,72 +7,26 @@ function serves both, so "trainer logprob" and "recomputed behaviour logprob" ca
 Two modes:
 - default: one right-padded batch, one forward. Fast; the values depend (at the 1e-7 level)
   on what else is in the batch, because kernel shapes do.
-- `deterministic=True`, the batch-invariant path: each sequence is forwarded alone, unpadded,
-  with eager attention, so the kernel shapes depend only on that sequence. For given weights
-  and tokens the result is bit-identical whoever calls it, with or without autograd, as long
-  as both sides run the same device, library versions and thread count (reduction order).
+- `deterministic=True`, the batch-invariant path (`services/policy/exact.py`): each sequence is
+  computed in a fixed (batch size, bucketed length) shape that depends only on its own length,
+  right-padded, with the attention kernel pinned, in batches. For given weights and tokens the
+  result is bit-identical whoever calls it and whatever it is batched with, with or without
+  autograd, as long as both sides run the same device and library build
+  (`bench/batch_invariance.py`; until 2026-12-05 each sequence was forwarded alone, 5-6x slower).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 
-from services.policy.errors import PolicyError
+from services.policy.exact import DETERMINISTIC_SHAPES, fixed_shape_logprobs
 from services.policy.sampling import SamplingParams, processed_logprobs
+from services.policy.sequences import LogprobInputError, PromptCompletion, check_sequences
 
-PromptCompletion = tuple[Sequence[int], Sequence[int]]
-
-
-class LogprobInputError(PolicyError):
-    """A (prompt, completion) pair cannot be scored; the message names which one and why."""
-
-
-@contextmanager
-def eager_attention(model: torch.nn.Module) -> Iterator[None]:
-    """Run the block with eager attention, then restore the model's own implementation.
-
-    SDPA may pick different kernels with and without autograd or for different shapes;
-    eager attention is plain matmul + softmax, the same ops in both cases. Not thread-safe:
-    one process drives one model, as everywhere in rlbus.
-    """
-    config = getattr(model, "config", None)
-    previous = getattr(config, "_attn_implementation", None)
-    if config is None or previous in (None, "eager"):
-        yield
-        return
-    model.set_attn_implementation("eager")  # type: ignore[operator]
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)  # type: ignore[operator]
-
-
-def check_sequences(sequences: Sequence[PromptCompletion], max_positions: int | None, vocab_size: int | None) -> None:
-    """Raise `LogprobInputError` for the first pair the model cannot score: a token id outside
-    ``[0, vocab_size)``, an empty prompt, or more than ``max_positions`` tokens.  Every scoring
-    function runs it first; a caller may run it to find which of its inputs a failure came from."""
-    for i, (prompt, completion) in enumerate(sequences):
-        bad = [t for t in (*prompt, *completion) if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            raise LogprobInputError(
-                f"sequence {i} has token id {bad[0]} outside the vocabulary (size {vocab_size}): "
-                "was it produced by a different tokenizer?"
-            )
-        if len(prompt) == 0:
-            raise LogprobInputError(
-                f"sequence {i} has an empty prompt: prepend <bos> so the first completion "
-                "token has a position that predicts it"
-            )
-        total = len(prompt) + len(completion)
-        if max_positions is not None and total > max_positions:
-            raise LogprobInputError(
-                f"sequence {i} has {total} tokens, more than the model's "
-                f"max_position_embeddings={max_positions}: shorten max_new_tokens or the prompt"
-            )
-
+# Importers take these from here, where they were first defined.
+__all__ = ["LogprobInputError", "PromptCompletion", "check_sequences", "completion_logprobs", "shared_prefix_logprobs"]
 
 def completion_logprobs(
     model: torch.nn.Module,
@@ -91,29 +45,15 @@ def completion_logprobs(
     check_sequences(sequences, getattr(config, "max_position_embeddings", None), getattr(config, "vocab_size", None))
     if not sequences:
         return []
+    if deterministic:
+        shapes = DETERMINISTIC_SHAPES.for_model(getattr(config, "max_position_embeddings", None))
+        return fixed_shape_logprobs(model, sequences, params, shapes, grad=grad)
     with torch.set_grad_enabled(grad):
-        if deterministic:
-            with eager_attention(model):
-                return [_one_sequence(model, p, c, params) for p, c in sequences]
         return _batched(model, sequences, params)
 
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def _one_sequence(
-    model: torch.nn.Module, prompt: Sequence[int], completion: Sequence[int], params: SamplingParams
-) -> torch.Tensor:
-    n_new = len(completion)
-    if n_new == 0:
-        return torch.zeros(0, dtype=torch.float32, device=_device(model))
-    ids = torch.tensor([[*prompt, *completion]], dtype=torch.long, device=_device(model))
-    # Keep the logits at positions len(prompt)-1 … end; the last one predicts nothing.
-    logits = model(input_ids=ids, use_cache=False, logits_to_keep=n_new + 1).logits[0, :n_new]
-    logprobs = processed_logprobs(logits, params.temperature, params.top_p)
-    targets = ids[0, len(prompt) :].unsqueeze(-1)
-    return logprobs.gather(-1, targets).squeeze(-1)
 
 
 def _batched(

@@ -1,0 +1,120 @@
+"""Fixed-shape logprobs (services/policy/exact.py): a sequence's logprobs are the same bits
+whatever else is in its batch, wherever it sits, and with or without autograd in train mode;
+and they are the model's logprobs (agree with the ordinary batched forward to float rounding)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from services.policy.exact import FixedShapes, FixedShapesError, fixed_shape_logprobs
+from services.policy.logprobs import completion_logprobs
+from services.policy.model_init import tiny_config
+from services.policy.sampling import SamplingParams
+
+PARAMS = SamplingParams(temperature=1.0)
+
+
+@pytest.fixture(scope="module")
+def long_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    # A 256-token context: rows longer than ~128 tokens are where the attention product's
+    # reduction order starts to depend on the padded length, so the buckets matter.
+    cfg: Qwen2Config = tiny_config(tokenizer)
+    cfg.max_position_embeddings = 256
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def _sequences(seed: int, count: int, max_len: int, vocab: int) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        n = rng.randint(3, max_len)
+        p = rng.randint(1, n - 1)
+        ids = [rng.randrange(1, vocab) for _ in range(n)]
+        out.append((ids[:p], ids[p:]))
+    return out
+
+
+@pytest.mark.parametrize("which", ["model", "long_model"])
+def test_a_sequence_gets_the_same_bits_whatever_its_neighbours_and_row(which: str, request: pytest.FixtureRequest) -> None:
+    model = request.getfixturevalue(which)
+    ctx, vocab = model.config.max_position_embeddings, model.config.vocab_size
+    shapes = FixedShapes(batch_size=4, bucket=32, max_len=ctx)
+    ours = _sequences(0, 10, ctx, vocab)
+    alone = fixed_shape_logprobs(model, ours, PARAMS, shapes)
+    # The same sequences shuffled among others: other rows, other neighbours, other batch counts.
+    others = _sequences(1, 9, ctx, vocab)
+    mixed = [(s, i) for i, s in enumerate(ours)] + [(s, None) for s in others]
+    random.Random(2).shuffle(mixed)
+    together = fixed_shape_logprobs(model, [s for s, _ in mixed], PARAMS, shapes)
+    for (_, i), lp in zip(mixed, together, strict=True):
+        if i is not None:
+            assert torch.equal(lp, alone[i]), f"sequence {i} changed with its batch"
+    # The values are the model's: the ordinary batched forward agrees to float rounding.
+    reference = completion_logprobs(model, ours, PARAMS)
+    for i, (a, b) in enumerate(zip(alone, reference, strict=True)):
+        assert a.shape == (len(ours[i][1]),)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+
+
+def test_train_mode_autograd_forward_gives_the_inference_bits(long_model: Qwen2ForCausalLM) -> None:
+    ctx, vocab = long_model.config.max_position_embeddings, long_model.config.vocab_size
+    shapes = FixedShapes(batch_size=4, bucket=64, max_len=ctx)
+    seqs = _sequences(3, 9, ctx, vocab)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    with torch.no_grad():
+        inference = fixed_shape_logprobs(long_model, seqs, params, shapes)
+    long_model.train()
+    try:
+        # The trainer's order: its own batch (reversed here), autograd on, train mode.
+        trained = fixed_shape_logprobs(long_model, seqs[::-1], params, shapes, grad=True)[::-1]
+    finally:
+        long_model.eval()
+    for i, (a, b) in enumerate(zip(inference, trained, strict=True)):
+        assert b.requires_grad
+        assert torch.equal(a, b.detach()), f"sequence {i}: train-mode autograd forward differs"
+    torch.cat([t[torch.isfinite(t)] for t in trained]).sum().backward()
+    assert long_model.lm_head.weight.grad is not None and bool(long_model.lm_head.weight.grad.abs().sum() > 0)
+    long_model.zero_grad(set_to_none=True)
+
+
+def test_eager_and_sdpa_are_each_exact_but_are_different_kernels(long_model: Qwen2ForCausalLM) -> None:
+    ctx, vocab = long_model.config.max_position_embeddings, long_model.config.vocab_size
+    shapes = FixedShapes(batch_size=4, bucket=64, max_len=ctx)
+    seqs = _sequences(4, 6, ctx, vocab)
+    previous = long_model.config._attn_implementation
+    eager = fixed_shape_logprobs(long_model, seqs, PARAMS, shapes, attn="eager")
+    eager_again = fixed_shape_logprobs(long_model, seqs[::-1], PARAMS, shapes, attn="eager")[::-1]
+    sdpa = fixed_shape_logprobs(long_model, seqs, PARAMS, shapes, attn="sdpa")
+    assert long_model.config._attn_implementation == previous  # pinned only for the call
+    assert all(torch.equal(a, b) for a, b in zip(eager, eager_again, strict=True))
+    # Both sides must pin the same kernel: the two differ in the last bits.
+    assert not all(torch.equal(a, b) for a, b in zip(eager, sdpa, strict=True))
+
+
+def test_plan_puts_every_sequence_once_in_a_bucket_that_holds_it() -> None:
+    shapes = FixedShapes(batch_size=3, bucket=16, max_len=64)
+    lengths = [1, 16, 17, 64, 5, 33, 2, 15, 40, 63]
+    plan = shapes.plan(lengths)
+    seen = sorted(i for _, rows in plan for i in rows)
+    assert seen == list(range(len(lengths)))
+    for width, rows in plan:
+        assert 1 <= len(rows) <= 3 and width % 16 == 0
+        assert all(shapes.bucket_len(lengths[i]) == width >= lengths[i] for i in rows)
+    assert shapes.padded_tokens(lengths) == sum(3 * w for w, _ in plan)
+    assert FixedShapes(bucket=48, max_len=64).bucket_len(50) == 64  # capped at the context
+
+
+@pytest.mark.parametrize("kwargs", [{"batch_size": 0}, {"bucket": 0}, {"max_len": 0}])
+def test_bad_shapes_are_refused_with_the_field_named(kwargs: dict[str, int]) -> None:
+    with pytest.raises(FixedShapesError, match=next(iter(kwargs))):
+        FixedShapes(**kwargs)
+
+
+def test_max_len_beyond_the_model_context_is_refused(model: Qwen2ForCausalLM) -> None:
+    with pytest.raises(FixedShapesError, match="max_position_embeddings"):
+        fixed_shape_logprobs(model, [([1], [2])], PARAMS, FixedShapes(max_len=model.config.max_position_embeddings + 1))
