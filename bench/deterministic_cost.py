@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from services.policy.exact import DETERMINISTIC_SHAPES
+
 
 def main() -> None:
     torch.set_num_threads(1)
@@ -48,9 +50,23 @@ def main() -> None:
             torch.cat(lps).sum().backward()
             step_times.append(time.perf_counter() - t0)
         out[f"trainer_fwd_bwd_s/{mode}"] = statistics.median(step_times[1:])
+    out.update(_padding(seqs))
     out["generator_slowdown"] = out["generator_tokens_per_s/default"] / out["generator_tokens_per_s/deterministic"]
     out["trainer_slowdown"] = out["trainer_fwd_bwd_s/deterministic"] / out["trainer_fwd_bwd_s/default"]
-    print(json.dumps({k: round(v, 4) for k, v in out.items()}))
+    print(json.dumps({**{k: round(v, 4) for k, v in out.items()}, "shapes": repr(DETERMINISTIC_SHAPES), "attention": "sdpa"}))
+
+
+def _padding(seqs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    """Token slots the deterministic path computes per real token (pads and fill rows included),
+    against the tokens a one-forward-per-sequence recompute would run (every prompt repeated)."""
+    shapes = DETERMINISTIC_SHAPES
+    prompts = list(dict.fromkeys(tuple(p) for p, _ in seqs))
+    pairs = [(len(p), len(c)) for p, c in seqs if c]
+    slots = shapes.padded_tokens([len(p) for p in prompts])
+    slots += sum(shapes.batch_size * width for (_, width), _ in shapes.plan_pairs(pairs))
+    real = sum(len(p) for p in prompts) + sum(c for _, c in pairs)
+    return {"det_slots_per_real_token": slots / real,
+            "det_slots_vs_full_sequences": slots / sum(p + c for p, c in pairs)}
 
 
 if __name__ == "__main__":

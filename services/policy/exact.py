@@ -2,7 +2,8 @@
 
 Why it exists: deterministic mode needs the generator's recomputed behaviour logprobs and the
 trainer's logprobs to be bit-identical. `completion_logprobs(..., deterministic=True)` gets that
-by forwarding each sequence alone, which costs 16-28x. A row's result depends on the reduction
+by computing every sequence in shapes that depend only on its own lengths (until 2026-12-05 by
+forwarding each sequence alone, which cost 16-28x). A row's result depends on the reduction
 order of the kernels, and on CPU (MKL sgemm, PyTorch's softmax and RMSNorm, eager and SDPA
 attention) that order is fixed by the tensor *shape*, not by the other rows' values nor by the
 row's position in the batch (`bench/batch_invariance.py` measures this). So each sequence is
@@ -21,6 +22,10 @@ which are real, and the masked scores become exact zeros after softmax, so the p
 nothing but the (fixed) shape. The attention kernel is pinned (`attn`) for the duration of the
 call, so a generator loaded with SDPA and a trainer loaded with eager attention still agree.
 
+Deterministic mode runs `shared_prompt_logprobs`: the same idea in two passes, each distinct
+prompt once and then the completions against their prompt's KV, because GRPO groups share a
+prompt and forwarding it once per sample doubled the work on short-answer tasks.
+
 Exactness holds for given weights, tokens, dtype, device, library build and the same
 `FixedShapes` on both sides; the model's train/eval mode is the caller's (dropout must be 0,
 as in every Qwen2 config rlbus builds).
@@ -30,12 +35,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from services.policy.errors import PolicyError
 from services.policy.sampling import SamplingParams, processed_logprobs
 from services.policy.sequences import AttnName, PromptCompletion, attention, check_sequences
+
+K = TypeVar("K", int, tuple[int, int])
 
 
 class FixedShapesError(PolicyError):
@@ -47,12 +55,16 @@ class FixedShapes:
     """The shapes sequences are computed in: `batch_size` rows of `bucket_len(n)` columns.
 
     `bucket` rounds a sequence of n tokens up to the next multiple of `bucket` columns, capped
-    at `max_len` (the model's context) when given.  Both sides must use equal `FixedShapes`.
+    at `max_len` (the model's context) when given.  With `geometric`, the step doubles with the
+    length once a sequence spans more than 4 steps (a 100-token sequence rounds to a multiple of
+    16, a 500-token one to 64): short sequences pad little, long ones by less than a quarter, and
+    the distinct shapes, each a batch that fill rows may waste, are 4 per doubling of the length.  Both sides must use equal `FixedShapes`.
     """
 
     batch_size: int = 8
     bucket: int = 32
     max_len: int | None = None
+    geometric: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -63,17 +75,27 @@ class FixedShapes:
             raise FixedShapesError(f"max_len={self.max_len}: use the model's context length or None")
 
     def bucket_len(self, n_tokens: int) -> int:
-        width = -(-n_tokens // self.bucket) * self.bucket
+        step = self.bucket
+        if self.geometric:
+            step = max(step, 1 << max(0, (n_tokens - 1).bit_length() - 3))
+        width = -(-n_tokens // step) * step
         return width if self.max_len is None else min(width, self.max_len)
 
     def plan(self, lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
         """(columns, sequence indices) of each batch: sequences grouped by bucket, in input
         order within a bucket, `batch_size` at a time.  A batch holds at most `batch_size`
         indices; the caller fills the rest of its rows with padding."""
-        by_width: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            by_width.setdefault(self.bucket_len(n), []).append(i)
-        return [(width, idx[s: s + self.batch_size]) for width, idx in sorted(by_width.items())
+        return self._batches([self.bucket_len(n) for n in lengths])
+
+    def plan_pairs(self, pairs: Sequence[tuple[int, int]]) -> list[tuple[tuple[int, int], list[int]]]:
+        """Like `plan` for (prompt length, completion length) pairs: a batch shares both buckets."""
+        return self._batches([(self.bucket_len(p), self.bucket_len(c)) for p, c in pairs])
+
+    def _batches(self, keys: Sequence[K]) -> list[tuple[K, list[int]]]:
+        by_key: dict[K, list[int]] = {}
+        for i, key in enumerate(keys):
+            by_key.setdefault(key, []).append(i)
+        return [(key, idx[s: s + self.batch_size]) for key, idx in sorted(by_key.items())  # type: ignore[type-var]
                 for s in range(0, len(idx), self.batch_size)]
 
     def padded_tokens(self, lengths: Sequence[int]) -> int:
@@ -82,13 +104,16 @@ class FixedShapes:
 
     def for_model(self, max_positions: int | None) -> FixedShapes:
         """These shapes with ``max_len`` the model's context (a bucket never passes it)."""
-        return FixedShapes(self.batch_size, self.bucket, max_positions) if max_positions else self
+        return FixedShapes(self.batch_size, self.bucket, max_positions, self.geometric) if max_positions else self
 
 
 # The shapes of deterministic mode on both sides (``completion_logprobs(..., deterministic=True)``):
-# one constant, so a generator and a trainer cannot disagree.  16-token buckets keep the padding of
-# short completions small (the addition task's sequences are 15-20 tokens); 8 rows a batch.
-DETERMINISTIC_SHAPES = FixedShapes(batch_size=8, bucket=16)
+# one constant, so a generator and a trainer cannot disagree.  Measured on the addition task
+# (prompts of 9 tokens, completions of 4-6, batches of 256 sequences; bench/deterministic_cost.py):
+# 32 rows and 4-token steps cost 0.33 s per trainer forward+backward vs 0.37 s at 8-token steps,
+# 0.50 s at 16 rows and 0.58 s at 8 rows (fill rows and per-batch overhead); geometric steps keep
+# long sequences from multiplying the shapes.
+DETERMINISTIC_SHAPES = FixedShapes(batch_size=32, bucket=4, geometric=True)
 
 
 def fixed_shape_logprobs(
@@ -106,13 +131,7 @@ def fixed_shape_logprobs(
     The result for a pair depends only on the pair, the weights and `shapes`/`attn`: not on the
     other pairs, their order, or whether autograd is on.
     """
-    config = getattr(model, "config", None)
-    max_positions = getattr(config, "max_position_embeddings", None)
-    check_sequences(sequences, max_positions, getattr(config, "vocab_size", None))
-    if shapes.max_len is not None and max_positions is not None and shapes.max_len > max_positions:
-        raise FixedShapesError(f"max_len={shapes.max_len} exceeds the model's max_position_embeddings="
-                               f"{max_positions}: set max_len to at most that")
-    device = next(model.parameters()).device
+    device = _checked_device(model, sequences, shapes)
     out: list[torch.Tensor] = [torch.zeros(0)] * len(sequences)  # plan() covers every index
     lengths = [len(p) + len(c) for p, c in sequences]
     with torch.set_grad_enabled(grad), attention(model, attn):
@@ -132,3 +151,116 @@ def fixed_shape_logprobs(
                 targets = ids[r, start + 1: start + 1 + len(completion)].unsqueeze(-1)
                 out[i] = logprobs[r, start: start + len(completion)].gather(-1, targets).squeeze(-1)
     return out
+
+
+def shared_prompt_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[PromptCompletion],
+    params: SamplingParams,
+    shapes: FixedShapes,
+    *,
+    attn: AttnName = "sdpa",
+    grad: bool = False,
+) -> list[torch.Tensor]:
+    """`fixed_shape_logprobs` with each distinct prompt forwarded once (GRPO groups share one).
+
+    Two fixed-shape passes: the distinct prompts, right-padded in (batch_size, prompt bucket)
+    tensors, give every prompt its KV and its last position's logits; then the completions, in
+    (batch_size, completion bucket) tensors grouped by (prompt bucket, completion bucket), attend
+    to their own prompt's KV through an explicit mask that hides the prompt's padding. A
+    completion's values depend only on its own prompt and tokens and `shapes`, not on the other
+    sequences or on which of them share its prompt, so a generator that groups by sample and a
+    trainer that groups by micro-batch get the same bits. They differ from
+    `fixed_shape_logprobs`'s in the last bits (other shapes): both sides must call this one.
+    """
+    device = _checked_device(model, sequences, shapes)
+    owner: dict[tuple[int, ...], int] = {}
+    owners = [owner.setdefault(tuple(p), len(owner)) for p, _ in sequences]
+    out: list[torch.Tensor] = [torch.zeros(0, device=device)] * len(sequences)
+    live = [i for i, (_, c) in enumerate(sequences) if len(c)]
+    with torch.set_grad_enabled(grad), attention(model, attn):
+        prompts = _PromptStates.compute(model, list(owner), shapes, device)
+        plan = shapes.plan_pairs([(len(sequences[i][0]), len(sequences[i][1])) for i in live])
+        for (prompt_width, width), batch in plan:
+            rows = [live[b] for b in batch]
+            # Fill rows repeat the first row: any valid input, their results are dropped.
+            filled = rows + [rows[0]] * (shapes.batch_size - len(rows))
+            ids = torch.zeros((shapes.batch_size, width), dtype=torch.long)
+            positions = torch.zeros((shapes.batch_size, width), dtype=torch.long)
+            for r, i in enumerate(filled):
+                prompt, completion = sequences[i]
+                ids[r, : len(completion)] = torch.tensor(list(completion), dtype=torch.long)
+                positions[r] = len(prompt) + torch.arange(width)
+            prompt_lens = [len(sequences[i][0]) for i in filled]
+            cache = prompts.cache_for([owners[i] for i in filled], model)
+            mask = _completion_mask(prompt_lens, prompt_width, width, prompts.dtype).to(device)
+            logits = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
+                           past_key_values=cache, use_cache=True).logits
+            # Token 0 is predicted by the prompt's last position, token j by completion position j-1.
+            first = torch.stack([prompts.last_logits[owners[i]] for i in filled])
+            logprobs = processed_logprobs(torch.cat([first[:, None], logits[:, :-1]], dim=1), params.temperature, params.top_p)
+            token_lp = logprobs.gather(-1, ids.to(device).unsqueeze(-1)).squeeze(-1)
+            for r, i in enumerate(rows):
+                out[i] = token_lp[r, : len(sequences[i][1])]
+    return out
+
+
+def _checked_device(model: torch.nn.Module, sequences: Sequence[PromptCompletion], shapes: FixedShapes) -> torch.device:
+    config = getattr(model, "config", None)
+    max_positions = getattr(config, "max_position_embeddings", None)
+    check_sequences(sequences, max_positions, getattr(config, "vocab_size", None))
+    if shapes.max_len is not None and max_positions is not None and shapes.max_len > max_positions:
+        raise FixedShapesError(f"max_len={shapes.max_len} exceeds the model's max_position_embeddings="
+                               f"{max_positions}: set max_len to at most that")
+    return next(model.parameters()).device
+
+
+def _completion_mask(prompt_lens: Sequence[int], prompt_width: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive (rows, 1, width, prompt_width + width) mask: a completion position sees its prompt's
+    real tokens and the completion up to itself; the prompt's padding and later positions get the
+    dtype's minimum, which softmax turns into exact zeros.  Explicit, so the attention kernel's path
+    does not depend on whether any row of the batch happens to be padded."""
+    keys = torch.arange(prompt_width + width)
+    query = torch.arange(width)[:, None] + prompt_width
+    lens = torch.tensor(list(prompt_lens))[:, None, None]
+    seen = (keys[None, None, :] < lens) | ((keys[None, None, :] >= prompt_width) & (keys[None, None, :] <= query[None]))
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill(~seen, torch.finfo(dtype).min)[:, None]
+
+
+@dataclass
+class _PromptStates:
+    """Each distinct prompt's per-layer (key, value) and its last position's logits, computed in
+    fixed (batch_size, prompt bucket) shapes; rows of one bucket share a width."""
+
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]]  # [prompt][layer] -> (heads, width, head_dim) each
+    last_logits: list[torch.Tensor]
+    dtype: torch.dtype
+
+    @classmethod
+    def compute(cls, model: torch.nn.Module, prompts: list[tuple[int, ...]], shapes: FixedShapes,
+                device: torch.device) -> _PromptStates:
+        from transformers import DynamicCache
+
+        kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
+        last: list[torch.Tensor] = [torch.zeros(0)] * len(prompts)
+        for width, rows in shapes.plan([len(p) for p in prompts]):
+            # Right padding: causal attention hides the pads from every real prompt token.
+            ids = torch.zeros((shapes.batch_size, width), dtype=torch.long)
+            for r, i in enumerate(rows):
+                ids[r, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+            fwd = model(input_ids=ids.to(device), past_key_values=DynamicCache(config=model.config), use_cache=True)
+            for r, i in enumerate(rows):
+                kv[i] = [(layer.keys[r], layer.values[r]) for layer in fwd.past_key_values.layers]
+                last[i] = fwd.logits[r, len(prompts[i]) - 1]
+        return cls(kv, last, next(model.parameters()).dtype)
+
+    def cache_for(self, owners: Sequence[int], model: torch.nn.Module) -> object:
+        """A fresh cache holding, row by row, the KV of prompt ``owners[row]``."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        for layer in range(len(self.kv[owners[0]])):
+            keys = torch.stack([self.kv[o][layer][0] for o in owners])
+            values = torch.stack([self.kv[o][layer][1] for o in owners])
+            cache.update(keys, values, layer)
+        return cache

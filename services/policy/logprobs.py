@@ -7,12 +7,13 @@ function serves both, so "trainer logprob" and "recomputed behaviour logprob" ca
 Two modes:
 - default: one right-padded batch, one forward. Fast; the values depend (at the 1e-7 level)
   on what else is in the batch, because kernel shapes do.
-- `deterministic=True`, the batch-invariant path (`services/policy/exact.py`): each sequence is
-  computed in a fixed (batch size, bucketed length) shape that depends only on its own length,
-  right-padded, with the attention kernel pinned, in batches. For given weights and tokens the
-  result is bit-identical whoever calls it and whatever it is batched with, with or without
-  autograd, as long as both sides run the same device and library build
-  (`bench/batch_invariance.py`; until 2026-12-05 each sequence was forwarded alone, 5-6x slower).
+- `deterministic=True`, the batch-invariant path (`services/policy/exact.py`,
+  `shared_prompt_logprobs`): each distinct prompt, then each completion against its prompt's KV,
+  is computed in a fixed (batch size, bucketed length) shape that depends only on its own
+  lengths, with the padding masked and the attention kernel pinned, in batches. For given
+  weights and tokens the result is bit-identical whoever calls it and whatever it is batched
+  with, with or without autograd, as long as both sides run the same device and library build
+  (`bench/batch_invariance.py`; until 2026-12-06 each sequence was forwarded alone, 4-8x slower).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.policy.exact import DETERMINISTIC_SHAPES, fixed_shape_logprobs
+from services.policy.exact import DETERMINISTIC_SHAPES, shared_prompt_logprobs
 from services.policy.sampling import SamplingParams, processed_logprobs
 from services.policy.sequences import LogprobInputError, PromptCompletion, check_sequences
 
@@ -47,7 +48,7 @@ def completion_logprobs(
         return []
     if deterministic:
         shapes = DETERMINISTIC_SHAPES.for_model(getattr(config, "max_position_embeddings", None))
-        return fixed_shape_logprobs(model, sequences, params, shapes, grad=grad)
+        return shared_prompt_logprobs(model, sequences, params, shapes, grad=grad)
     with torch.set_grad_enabled(grad):
         return _batched(model, sequences, params)
 

@@ -10,7 +10,13 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from services.policy.exact import FixedShapes, FixedShapesError, fixed_shape_logprobs
+from services.policy.exact import (
+    DETERMINISTIC_SHAPES,
+    FixedShapes,
+    FixedShapesError,
+    fixed_shape_logprobs,
+    shared_prompt_logprobs,
+)
 from services.policy.logprobs import completion_logprobs
 from services.policy.model_init import tiny_config
 from services.policy.sampling import SamplingParams
@@ -118,3 +124,65 @@ def test_bad_shapes_are_refused_with_the_field_named(kwargs: dict[str, int]) -> 
 def test_max_len_beyond_the_model_context_is_refused(model: Qwen2ForCausalLM) -> None:
     with pytest.raises(FixedShapesError, match="max_position_embeddings"):
         fixed_shape_logprobs(model, [([1], [2])], PARAMS, FixedShapes(max_len=model.config.max_position_embeddings + 1))
+
+
+def _groups(seed: int, n_prompts: int, per_prompt: int, max_len: int, vocab: int) -> list[tuple[list[int], list[int]]]:
+    """GRPO-shaped input: several completions (some empty) per prompt, mixed lengths."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_prompts):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(1, max_len // 2))]
+        for _ in range(per_prompt):
+            out.append((prompt, [rng.randrange(1, vocab) for _ in range(rng.randint(0, max_len - len(prompt)))]))
+    return out
+
+
+@pytest.mark.parametrize("which", ["model", "long_model"])
+def test_shared_prompt_path_gives_a_completion_the_same_bits_whoever_shares_its_prompt(
+    which: str, request: pytest.FixtureRequest
+) -> None:
+    model = request.getfixturevalue(which)
+    ctx, vocab = model.config.max_position_embeddings, model.config.vocab_size
+    shapes = FixedShapes(batch_size=4, bucket=8, max_len=ctx, geometric=True)
+    seqs = _groups(5, 5, 4, ctx, vocab)
+    params = SamplingParams(temperature=0.8, top_p=0.9)
+    with torch.no_grad():
+        generator_side = shared_prompt_logprobs(model, seqs, params, shapes)
+    # The trainer's view: another order, another subset of each group, autograd on, train mode.
+    order = list(range(len(seqs)))
+    random.Random(6).shuffle(order)
+    subset = order[: len(order) * 2 // 3]
+    model.train()
+    try:
+        trainer_side = shared_prompt_logprobs(model, [seqs[i] for i in subset], params, shapes, grad=True)
+    finally:
+        model.eval()
+    for k, i in enumerate(subset):
+        assert torch.equal(trainer_side[k].detach(), generator_side[i]), f"sequence {i} changed with its batch"
+    # The values are the model's: the ordinary batched forward agrees to float rounding.
+    reference = completion_logprobs(model, seqs, params)
+    for i, (a, b) in enumerate(zip(generator_side, reference, strict=True)):
+        assert a.shape == (len(seqs[i][1]),)
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b)), f"sequence {i}: another top-p nucleus"
+        torch.testing.assert_close(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=0, atol=1e-4)
+    live = [t for t in trainer_side if t.numel()]
+    torch.cat([t[torch.isfinite(t)] for t in live]).sum().backward()
+    assert model.lm_head.weight.grad is not None and bool(model.lm_head.weight.grad.abs().sum() > 0)
+    model.zero_grad(set_to_none=True)
+
+
+def test_deterministic_completion_logprobs_is_the_shared_prompt_path(model: Qwen2ForCausalLM) -> None:
+    seqs = _groups(7, 3, 3, model.config.max_position_embeddings, model.config.vocab_size)
+    shapes = DETERMINISTIC_SHAPES.for_model(model.config.max_position_embeddings)
+    ours = completion_logprobs(model, seqs, PARAMS, deterministic=True)
+    assert all(torch.equal(a, b) for a, b in zip(ours, shared_prompt_logprobs(model, seqs, PARAMS, shapes), strict=True))
+
+
+def test_geometric_steps_pad_short_sequences_finely_and_long_ones_by_less_than_a_quarter() -> None:
+    shapes = FixedShapes(bucket=4, geometric=True)
+    assert [shapes.bucket_len(n) for n in (1, 9, 32, 33, 100, 500)] == [4, 12, 32, 40, 112, 512]
+    for n in range(1, 2048):
+        width = shapes.bucket_len(n)
+        assert n <= width < max(n + 4, n * 5 // 4)
+    assert len({shapes.bucket_len(n) for n in range(1, 2048)}) <= 4 + 4 * 9  # 4 per doubling past 16
+    assert FixedShapes(bucket=4).bucket_len(100) == 100  # linear steps stay as they were
