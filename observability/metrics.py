@@ -129,6 +129,8 @@ MAPPED: tuple[Mapped, ...] = (
     _g("mismatch/{measure}", "trainer_mismatch", "Training-inference mismatch of the latest batch (k3_kl, abs_diff_mean …)"),
     _g("mismatch_fresh/{measure}", "trainer_mismatch_fresh",
        "The same on fresh (staleness 0) samples only: the numerical gap without staleness"),
+    _g("mismatch_exact/{measure}", "trainer_mismatch_exact",
+       "Deterministic mode: the gap on fresh samples labelled exact (0 when exactness holds) and the tokens outside it"),
     _g("batch/reward_mean", "trainer_batch_reward_mean", "Mean reward of the latest batch"),
     _g("batch/accuracy", "trainer_batch_accuracy", "Share of the latest batch's rollouts with reward >= 1"),
     _g("batch/completion_len", "trainer_batch_completion_tokens", "Mean completion length of the latest batch"),

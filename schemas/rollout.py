@@ -47,6 +47,11 @@ class Rollout(Message):
     timings: dict[str, float] = field(default_factory=dict)
     turns: int = 1  # policy turns in the episode
     env_error: str = ""  # an environment failure ended the episode: excluded from the loss, never rewarded 0
+    # Deterministic mode: behaviour_logprobs are the batch-invariant values of exactly this (prompt,
+    # completion) under the one version of its tokens, so a deterministic trainer at that version
+    # reproduces them bit for bit.  False for sampled values and for what recompute cannot cover
+    # (tokens spanning a swap, a completion cut after sampling, turns after an episode's first).
+    exact_logprobs: bool = False
 
     def validate(self) -> None:
         n = len(self.token_ids) - self.prompt_len

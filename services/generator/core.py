@@ -270,8 +270,11 @@ class Generator:
                sample_s: float) -> RolloutGroup:
         rollouts = []
         for k, s in enumerate(samples):
+            # Recomputed values are exact for the completion they were computed on, not a cut of it.
+            exact = getattr(s, "logprobs_source", "incremental") == "recomputed"
             if sampling.stop:
-                s = cut_at_stop(s, sampling.stop, self.backend.decode)
+                cut = cut_at_stop(s, sampling.stop, self.backend.decode)
+                exact, s = exact and len(cut.completion_ids) == len(s.completion_ids), cut
             ids = np.asarray([*prompt, *s.completion_ids], dtype="<i4")
             rollouts.append(Rollout(
                 rollout_id=f"{task.task_id}:{k}", task_id=task.task_id, index=k, token_ids=ids,
@@ -279,7 +282,7 @@ class Generator:
                 behaviour_logprobs=np.asarray(s.behaviour_logprobs, dtype="<f4"),
                 version_spans=spans_from_versions(s.token_versions), finish_reason=s.finish_reason,
                 text=self.backend.decode(s.completion_ids), generator_id=self.cfg.instance,
-                timings={"sample_s": sample_s},
+                timings={"sample_s": sample_s}, exact_logprobs=exact,
             ))
         return RolloutGroup(task=task, rollouts=rollouts, sampling=sampling, generator_id=self.cfg.instance,
                             created_at=time.time())

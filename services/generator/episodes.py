@@ -81,6 +81,7 @@ class Episode:
     tool_s: float = 0.0
     finish_reason: str = ""
     env_error: str = ""
+    exact: bool = False  # one turn, recomputed in deterministic mode: the trainer's own (prompt, completion)
 
     @property
     def done(self) -> bool:
@@ -92,6 +93,7 @@ class Episode:
 
     def add_turn(self, turn: Any) -> None:
         self.turns += 1
+        self.exact = self.turns == 1 and bool(getattr(turn, "recomputed", False))
         self.ids.extend(int(t) for t in turn.ids)
         self.mask.extend([1] * len(turn.ids))
         self.logprobs.extend(float(x) for x in turn.logprobs)
@@ -113,7 +115,8 @@ class Episode:
             loss_mask=np.asarray(self.mask, dtype="|u1"), behaviour_logprobs=np.asarray(self.logprobs, dtype="<f4"),
             version_spans=spans_from_versions(np.asarray(self.versions, dtype=np.int64)),
             finish_reason=self.finish_reason, text=text, generator_id=generator_id,
-            timings={"tool_s": self.tool_s}, turns=self.turns, env_error=self.env_error)
+            timings={"tool_s": self.tool_s}, turns=self.turns, env_error=self.env_error,
+            exact_logprobs=self.exact and not self.env_error)
 
 
 @dataclass
@@ -316,8 +319,11 @@ class EpisodeDriver:
             return turn
         keep = ep.length + len(cut.completion_ids)
         self._queue([ep.key], lambda engine: engine.truncate(ep.key, keep))
-        return dataclasses.replace(turn, ids=cut.completion_ids, logprobs=cut.behaviour_logprobs,
-                                   versions=cut.token_versions, finish_reason="stop")
+        changes = {"ids": cut.completion_ids, "logprobs": cut.behaviour_logprobs, "versions": cut.token_versions,
+                   "finish_reason": "stop"}
+        if getattr(turn, "recomputed", False):
+            changes["recomputed"] = False  # recomputed in the uncut turn's shapes, not the cut one's: not exact
+        return dataclasses.replace(turn, **changes)
 
     async def _continue(self, ep: Episode, observation: list[int]) -> None:
         """Append the observation and start the next turn, unless a limit ends the episode first."""

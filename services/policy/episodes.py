@@ -71,6 +71,7 @@ class Turn:
     logprobs: np.ndarray  # float32, behaviour logprob of each id (processed distribution)
     versions: np.ndarray  # int64, weight version whose forward produced each id
     finish_reason: FinishReason  # "stop" | "length"
+    recomputed: bool = False  # deterministic mode replaced the logprobs by the batch-invariant values
 
 
 @dataclass
@@ -84,6 +85,7 @@ class _TurnInProgress:
     versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     final: bool = False  # the episode ends with this turn: its cache need not be kept
+    recomputed: bool = False
 
     def record(self, token: int, logprob: float, version: int) -> None:
         self.ids.append(token)
@@ -97,7 +99,8 @@ class _TurnInProgress:
     def result(self) -> Turn:
         assert self.finish_reason is not None, "result() of an unfinished turn"
         return Turn(ids=list(self.ids), logprobs=np.asarray(self.logprobs, dtype=np.float32),
-                    versions=np.asarray(self.versions, dtype=np.int64), finish_reason=self.finish_reason)
+                    versions=np.asarray(self.versions, dtype=np.int64), finish_reason=self.finish_reason,
+                    recomputed=self.recomputed)
 
 
 @dataclass
@@ -454,10 +457,19 @@ class EpisodeEngine:
 
     def _recompute(self, finished: list[tuple[_Row, _TurnInProgress]], version: int) -> None:
         """Deterministic mode: a turn whose tokens all come from the weights in the slot gets the
-        trainer's batch-invariant logprobs (bit-identical); one that spans a swap cannot."""
-        for row, turn in finished:
-            if not turn.ids or any(v != version for v in turn.versions):
-                continue
-            (values,) = completion_logprobs(self.slot.model, [(row.tokens[: turn.start], turn.ids)], turn.params,
-                                            deterministic=True)
-            turn.logprobs = values.detach().cpu().tolist()
+        trainer's batch-invariant logprobs of (its prefix, its tokens); one that spans a swap cannot.
+        Those are what the trainer computes for a one-turn episode; later turns of an episode are
+        recomputed too but the trainer sees them inside the whole episode, in other shapes
+        (`Rollout.exact_logprobs` says which).  One call for the run: the values do not depend on
+        the batch, and the fixed shapes would fill a lone turn's batch with padding rows."""
+        eligible = [(row, turn) for row, turn in finished if turn.ids and all(v == version for v in turn.versions)]
+        # Only the temperature and top-p shape the processed distribution (turns differ in max tokens).
+        by_params: dict[tuple[float, float], list[tuple[_Row, _TurnInProgress]]] = {}
+        for row, turn in eligible:
+            by_params.setdefault((turn.params.temperature, turn.params.top_p), []).append((row, turn))
+        for (temperature, top_p), members in by_params.items():
+            values = completion_logprobs(self.slot.model, [(row.tokens[: turn.start], turn.ids) for row, turn in members],
+                                         SamplingParams(temperature=temperature, top_p=top_p), deterministic=True)
+            for (_, turn), v in zip(members, values, strict=True):
+                turn.logprobs = v.detach().cpu().tolist()
+                turn.recomputed = True

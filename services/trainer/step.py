@@ -34,6 +34,7 @@ class PackedSeq:
     advantage: float
     staleness: int
     sampling: SamplingParams
+    exact: bool = False  # the generator labelled its behaviour logprobs exact (Rollout.exact_logprobs)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainerSettings) -> torch.optim.Optimizer:
@@ -65,7 +66,8 @@ def pack(batch: list[GroupDecision], cfg: TrainerSettings) -> tuple[list[PackedS
             seqs.append(PackedSeq(prompt=ids[: r.prompt_len], completion=ids[r.prompt_len:],
                                   behaviour=torch.from_numpy(np.array(r.behaviour_logprobs, dtype=np.float32)),
                                   loss_mask=torch.from_numpy(np.array(r.loss_mask, dtype=bool)),
-                                  advantage=float(adv[g, i]), staleness=d.staleness[i], sampling=params))
+                                  advantage=float(adv[g, i]), staleness=d.staleness[i], sampling=params,
+                                  exact=r.exact_logprobs))
     trained = valid.sum().item()
     stats = {"batch/groups": len(batch), "batch/rollouts_trained": trained,
              TrainerKeys.REWARD_MEAN: float(rewards[base].mean()) if base.any() else 0.0,
@@ -160,6 +162,7 @@ def step_metrics(seqs: list[PackedSeq], totals: dict[str, float], trainer_lp: to
                                  is_high=obj.is_high, is_cap=obj.is_cap)
         for key in ("abs_diff_mean", "abs_diff_max", "k3_kl"):
             metrics[f"mismatch_fresh/{key}"] = fresh[f"mismatch/{key}"]
+    metrics.update(_exact_metrics(seqs, trainer_lp, behaviour_lp, fresh_tok, seq_all, trained=int(mask_all.sum())))
     metrics["mismatch/ratio_first_token"] = float(torch.exp(trainer_lp[0] - behaviour_lp[0])) if len(trainer_lp) else 1.0
     metrics["train/grad_norm"] = grad_norm
     metrics["train/skipped_nonfinite"] = 0.0 if math.isfinite(grad_norm) else 1.0
@@ -172,6 +175,20 @@ def step_metrics(seqs: list[PackedSeq], totals: dict[str, float], trainer_lp: to
         metrics[f"staleness/hist_{k}"] = float(sum(1 for x in stal if x == k))
     metrics["staleness/hist_5plus"] = float(sum(1 for x in stal if x >= 5))
     return metrics
+
+
+def _exact_metrics(seqs: list[PackedSeq], trainer_lp: torch.Tensor, behaviour_lp: torch.Tensor,
+                   fresh_tok: torch.Tensor, seq_all: torch.Tensor, *, trained: int) -> dict[str, float]:
+    """The exactness claim of deterministic mode, checked every step: over the trained tokens of
+    fresh samples whose generator labelled them exact, the largest |trainer - behaviour| logprob
+    (0 when the claim holds), and how many trained tokens the claim does not cover (stale samples,
+    tokens spanning a swap, multi-turn episodes): counted, never silently mixed in."""
+    exact_seq = torch.tensor([s.exact for s in seqs], dtype=torch.bool)
+    exact_tok = fresh_tok & exact_seq[seq_all]
+    out = {"mismatch_exact/tokens": float(exact_tok.sum()), "mismatch_exact/excluded_tokens": float(trained - int(exact_tok.sum()))}
+    if bool(exact_tok.any()):
+        out["mismatch_exact/abs_diff_max"] = float((trainer_lp[exact_tok] - behaviour_lp[exact_tok]).abs().max())
+    return out
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, seqs: list[PackedSeq], cfg: TrainerSettings,
