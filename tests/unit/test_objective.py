@@ -571,3 +571,25 @@ def test_config_is_frozen_and_defaults_are_the_documented_ones() -> None:
         "kl_coef",
         "aggregation",
     ]
+
+
+def test_the_exactness_claim_covers_fresh_labelled_tokens_and_counts_the_rest() -> None:
+    from services.policy.sampling import SamplingParams
+    from services.trainer.settings import TrainerSettings
+    from services.trainer.step import PackedSeq, step_metrics
+
+    def seq(behaviour: list[float], *, staleness: int, exact: bool, mask: list[bool] | None = None) -> PackedSeq:
+        return PackedSeq(prompt=[1], completion=[2] * len(behaviour), behaviour=torch.tensor(behaviour),
+                         loss_mask=torch.tensor(mask or [True] * len(behaviour)), advantage=1.0,
+                         staleness=staleness, sampling=SamplingParams(), exact=exact)
+
+    seqs = [seq([-1.0, -2.0], staleness=0, exact=True),  # inside the claim, equal to the trainer's
+            seq([-1.5, -1.0, -1.0], staleness=0, exact=False, mask=[True, False, True]),  # labelled inexact
+            seq([-3.0], staleness=1, exact=True)]  # stale: another version's logprobs
+    trainer = torch.tensor([-1.0, -2.0, -1.0, -9.0, -1.0, -2.0])
+    m = step_metrics(seqs, {}, trainer, 1.0, TrainerSettings(), 0.0)
+    assert m["mismatch_exact/tokens"] == 2 and m["mismatch_exact/excluded_tokens"] == 3  # 5 trained tokens
+    assert m["mismatch_exact/abs_diff_max"] == 0.0
+    assert m["mismatch/abs_diff_max"] == 1.0  # the stale token's gap is visible, outside the claim
+    seqs[0] = seq([-1.0, -2.5], staleness=0, exact=True)
+    assert step_metrics(seqs, {}, trainer, 1.0, TrainerSettings(), 0.0)["mismatch_exact/abs_diff_max"] == 0.5
