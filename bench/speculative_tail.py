@@ -44,11 +44,6 @@ from services.policy.tokenizer import encode_prompt  # noqa: E402
 from services.tasks.addition import make_split  # noqa: E402
 
 
-def _sum(into: TailStats, s: TailStats) -> None:
-    for name in ("rounds", "row_forwards", "tokens", "drafted", "kept", "drafting_rows", "draft_s", "verify_s"):
-        setattr(into, name, getattr(into, name) + getattr(s, name))
-
-
 @dataclass
 class Shape:
     """Calls of `rows` samples per prompt; `siblings[i]`: finished completions of call i's prompt
@@ -76,7 +71,7 @@ def one_pass(model: Any, shape: Shape, params: SamplingParams, spec: Speculation
         cpus.append(time.process_time() - c0)
         tokens += sum(len(s.completion_ids) for g in groups for s in g)
         if spec is not None:
-            _sum(totals, spec.last_call)
+            totals.add(spec.last_call)
     return walls, cpus, tokens
 
 

@@ -29,6 +29,7 @@ Adaptive draft length (`DraftLength`): see its docstring.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -140,6 +141,12 @@ class TailStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     k_last: int = 0
+
+    def add(self, other: TailStats) -> None:
+        """Add ``other``'s counts and times to these (an aggregate over calls); ``k_last`` is not a count."""
+        for f in dataclasses.fields(self):
+            if f.name != "k_last":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def metrics(self) -> dict[str, float]:
         return {

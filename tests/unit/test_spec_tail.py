@@ -246,3 +246,12 @@ def test_backend_reports_the_tail_on_its_metrics(tiny_model: Path) -> None:
     assert metrics[SpeculativeKeys.TAIL_TOKENS] > 0 and metrics[SpeculativeKeys.VERIFY_S] > 0
     off = TorchBackend(str(tiny_model))
     assert not any(k.startswith("generator/spec/") for k in off.metrics())
+
+
+def test_tail_stats_add_sums_counts_and_times_but_not_the_last_k() -> None:
+    from services.policy.spec_tail import TailStats
+
+    total = TailStats(rounds=1, tokens=3, drafted=4, kept=2, draft_s=0.5, k_last=3)
+    total.add(TailStats(rounds=2, tokens=5, drafted=1, kept=1, drafting_rows=1, draft_s=0.25, verify_s=1.0, k_last=1))
+    assert (total.rounds, total.tokens, total.drafted, total.kept, total.drafting_rows) == (3, 8, 5, 3, 1)
+    assert (total.draft_s, total.verify_s, total.k_last) == (0.75, 1.0, 3)
