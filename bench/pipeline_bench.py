@@ -35,6 +35,54 @@ def _events(path: Path, name: str) -> dict[int, float]:
     return out
 
 
+def _lines(path: Path, name: str) -> list[dict[str, object]]:
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    return [d for d in rows if d.get("event") == name]
+
+
+GEN_PHASES = ("grant_wait", "take", "env", "sample", "publish")
+
+
+def idle_breakdown(logs: Path) -> dict[str, object]:
+    """What the trainer waited for: each of its waits (trainer.log ``idle``) laid over what the
+    generators were doing at the time (generator-*.log ``batch``: grant wait, task take,
+    environment reset, sampling, publishing; outside any batch: nothing in hand).  Seconds of
+    trainer wait per generator phase, as shares of all the wait, and the groups that arrived
+    during the waits by what became of them (``train``, ``filtered``, ``stale`` ...)."""
+    phases: list[tuple[float, float, str]] = []
+    for path in sorted(logs.glob("generator-*.log")):
+        for b in _lines(path, "batch"):
+            t = float(b["started"])  # type: ignore[arg-type]
+            for name in GEN_PHASES:
+                d = float(b.get(f"{name}_s", 0.0))  # type: ignore[arg-type]
+                phases.append((t, t + d, name))
+                t += d
+    waits = _lines(logs / "trainer.log", "idle")
+    seconds = dict.fromkeys((*GEN_PHASES, "no_batch"), 0.0)
+    arrivals: dict[str, int] = {}
+    for w in waits:
+        a = float(w["started"])  # type: ignore[arg-type]
+        b = a + float(w["wait_s"])  # type: ignore[arg-type]
+        covered = 0.0
+        for s, e, name in phases:
+            overlap = min(b, e) - max(a, s)
+            if overlap > 0:
+                seconds[name] += overlap
+                covered += overlap
+        # Several generators can overlap one wait: what no batch covered is "no_batch" only with one.
+        seconds["no_batch"] += max(0.0, (b - a) - covered)
+        for k, v in w.items():
+            if k.startswith("arrived_"):
+                arrivals[k.removeprefix("arrived_")] = arrivals.get(k.removeprefix("arrived_"), 0) + int(v)  # type: ignore[call-overload]
+    total = sum(float(w["wait_s"]) for w in waits)  # type: ignore[arg-type]
+    return {"waits": len(waits), "wait_s_total": round(total, 3),
+            "wait_s_median": _median([float(w["wait_s"]) for w in waits]),  # type: ignore[arg-type]
+            "share_by_generator_phase": {k: round(v / total, 3) if total else 0.0 for k, v in seconds.items()},
+            "groups_arriving_during_waits": arrivals}
+
+
 def _median(xs: list[float]) -> float | None:
     return round(statistics.median(xs), 4) if xs else None
 
@@ -65,6 +113,7 @@ def report(run_dir: Path) -> dict[str, object]:
         },
         "generator_tokens_per_s_median": _median([r["generator/tokens_per_s"] for r in train if r["generator/tokens_per_s"]]),
         "groups": {k.split("/")[-1]: last[k] for k in last if k.startswith("trainer/groups_") and not k.endswith("total")},
+        "trainer_idle": idle_breakdown(logs),
     }
 
 

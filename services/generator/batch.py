@@ -66,14 +66,19 @@ class BatchDriver:
         self.episodes = episodes
         self.traces = BatchTraces([])  # the spans of the batch being driven, in each task's trace
         self._episodic: set[int] = set()  # id() of the batch's tasks whose reset said they are episodic
+        self._waited: dict[str, float] = {}  # when the batch's loop turn began, its grant wait and take
 
     async def loop(self) -> None:
         while not self.life.stopping.is_set():
             self.slowdown.apply(self.gen.backend)
             self.status.show()
+            started, t0 = time.time(), time.perf_counter()
             await self.intake.wait_for_fuller_grant(self.cfg.min_batch_groups, self.cfg.batch_wait_s)
+            t_take = time.perf_counter()
             held = await self.intake.take()
             if held:
+                self._waited = {"started": round(started, 4), "grant_wait_s": round(t_take - t0, 4),
+                                "take_s": round(time.perf_counter() - t_take, 4)}
                 await self.drive(held)
             else:
                 await self._idle()
@@ -109,9 +114,10 @@ class BatchDriver:
             await self.publisher.settle([h for h, _ in sampled], [g for _, g in sampled],
                                         traces=self.traces.headers([h for h, _ in sampled]))
             n_eval = sum(h.is_eval for h, _ in sampled)
-            log.debug("batch", train=len(sampled) - n_eval, eval=n_eval, version=self.gen.backend.version,
-                      grant=self.gen.grant_total, started=self.gen.started, env_s=round(t_sample - t_env, 4),
-                      sample_s=round(t_publish - t_sample, 4), publish_s=round(time.perf_counter() - t_publish, 4))
+            # One line a batch: `bench/pipeline_bench.py` lines these up with the trainer's waits.
+            log.info("batch", train=len(sampled) - n_eval, eval=n_eval, version=self.gen.backend.version,
+                     **self._waited, env_s=round(t_sample - t_env, 4), sample_s=round(t_publish - t_sample, 4),
+                     publish_s=round(time.perf_counter() - t_publish, 4))
         finally:
             self.traces.end()
             self._episodic.clear()

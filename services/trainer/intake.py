@@ -75,17 +75,26 @@ class Intake:
         self._batch_groups = batch_groups
         self._fetch_timeout = fetch_timeout
         self._life = life
+        self._arrivals: dict[str, int] = {}  # decisions on the groups taken in since the current wait began
 
     async def fill_batch(self) -> None:
-        """Pull until a batch is full or the trainer stops; the wait counts as idle time."""
-        t_wait = time.perf_counter()
+        """Pull until a batch is full or the trainer stops; the wait counts as idle time, and each
+        wait is logged (``idle``: when, how long, how many groups were missing, what arrived and
+        what became of it) so that `bench/pipeline_bench.py` can say what the trainer waited for."""
+        t_wait, started = time.perf_counter(), time.time()
         asm = self.assembler
+        short = self._batch_groups - len(asm.kept)
+        self._arrivals = {}
         while not asm.full and not self._life.stopping.is_set():
             got = await self._puller.fetch(max(self._batch_groups - len(asm.kept), 1) * 2, timeout=self._fetch_timeout)
             await self._absorb(got, consumed=self._committer.consumed)
             if not got:
                 self._telemetry.publish()
-        self._counters.add_idle(time.perf_counter() - t_wait)
+        waited = time.perf_counter() - t_wait
+        self._counters.add_idle(waited)
+        if short > 0 and asm.full:  # a wait cut by a stop waited for nothing
+            log.info("idle", started=round(started, 4), wait_s=round(waited, 4), short=short,
+                     **{f"arrived_{reason}": n for reason, n in self._arrivals.items()})
 
     async def prefetch_during(self, step: asyncio.Future[dict[str, float]], in_step: set[str]) -> None:
         """Take in what arrives for the next batch until ``step`` is done or that batch is full.
@@ -104,6 +113,7 @@ class Intake:
         dropped = 0
         for d in got:
             decision = asm.offer(d.msg, d, version=self._committer.version, consumed=consumed)
+            self._arrivals[decision.reason] = self._arrivals.get(decision.reason, 0) + 1
             if decision.reason not in ("train", "duplicate"):
                 dropped += 1
             if decision.refusal and decision.reason != "duplicate":

@@ -1,0 +1,44 @@
+"""bench/pipeline_bench.py's idle breakdown: each trainer wait laid over the generator's batch
+phases, from the two services' log lines (synthetic here, in the services' own format)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.pipeline_bench import idle_breakdown
+
+
+def _write(path: Path, events: list[dict[str, object]]) -> None:
+    path.write_text("".join(json.dumps(e) + "\n" for e in events) + "not json: a traceback line\n")
+
+
+def test_each_wait_is_split_by_what_the_generator_was_doing(tmp_path: Path) -> None:
+    # Generator: batch 1 from t=100: grant wait 0.5, take 0.1, env 0.2, sample 1.0, publish 0.2 (ends 102.0);
+    # nothing in hand until batch 2 at t=103: sample 1.0 from 103.0 (ends 104.0).
+    _write(tmp_path / "generator-0.log", [
+        {"event": "batch", "started": 100.0, "grant_wait_s": 0.5, "take_s": 0.1, "env_s": 0.2, "sample_s": 1.0, "publish_s": 0.2},
+        {"event": "step_other"},
+        {"event": "batch", "started": 103.0, "grant_wait_s": 0.0, "take_s": 0.0, "env_s": 0.0, "sample_s": 1.0, "publish_s": 0.0},
+    ])
+    # Trainer waits: 100.4-101.4 (0.1 grant, 0.1 take, 0.2 env, 0.6 sample) and 101.8-103.5
+    # (0.2 publish, 1.0 nothing in hand, 0.5 sample of batch 2).
+    _write(tmp_path / "trainer.log", [
+        {"event": "idle", "started": 100.4, "wait_s": 1.0, "short": 32, "arrived_train": 20, "arrived_filtered": 4},
+        {"event": "idle", "started": 101.8, "wait_s": 1.7, "short": 12, "arrived_train": 12, "arrived_stale": 1},
+    ])
+    out = idle_breakdown(tmp_path)
+    assert out["waits"] == 2 and out["wait_s_total"] == pytest.approx(2.7)
+    share = out["share_by_generator_phase"]
+    seconds = {k: v * 2.7 for k, v in share.items()}  # type: ignore[union-attr]
+    expected = {"grant_wait": 0.1, "take": 0.1, "env": 0.2, "sample": 1.1, "publish": 0.2, "no_batch": 1.0}
+    for k, v in expected.items():
+        assert seconds[k] == pytest.approx(v, abs=0.01), k
+    assert out["groups_arriving_during_waits"] == {"train": 32, "filtered": 4, "stale": 1}
+
+
+def test_no_logs_gives_an_empty_breakdown(tmp_path: Path) -> None:
+    out = idle_breakdown(tmp_path)
+    assert out["waits"] == 0 and out["wait_s_total"] == 0 and out["groups_arriving_during_waits"] == {}
