@@ -1,11 +1,17 @@
 """Cost of deterministic mode: generator tokens/s and trainer step time, default vs
 deterministic, same model, same prompts, same process (ratios are what to read).
 
-    .venv/bin/python bench/deterministic_cost.py
+    .venv/bin/python bench/deterministic_cost.py                       # the addition task: 4-6 token answers
+    .venv/bin/python bench/deterministic_cost.py --completion-tokens 48  # every sample runs to 48 tokens
+
+`--completion-tokens N` switches the model's end-of-sequence off, so each completion is exactly N
+tokens: the shape of tasks with long answers, where sampling takes N decode steps and the
+deterministic recompute is still one batched forward.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -16,6 +22,9 @@ from services.policy.exact import DETERMINISTIC_SHAPES
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--completion-tokens", type=int, default=0, help="force every completion to this length (0: the task's)")
+    args = ap.parse_args()
     torch.set_num_threads(1)
     from services.policy.load import load_policy
     from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
@@ -25,7 +34,10 @@ def main() -> None:
 
     model, tok = load_policy("models/tiny-addition")
     prompts = [[tok.bos_token_id, *tok.encode(t.prompt, add_special_tokens=False)] for t in make_split("train", 32, 7)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=6)
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.completion_tokens or 6)
+    if args.completion_tokens:
+        model.generation_config.eos_token_id = None
+        model.config.eos_token_id = None
     out: dict[str, float] = {}
     for mode in ("default", "deterministic"):
         sampler = GroupSampler(StaticSlot(model), deterministic=mode == "deterministic")
@@ -53,7 +65,8 @@ def main() -> None:
     out.update(_padding(seqs))
     out["generator_slowdown"] = out["generator_tokens_per_s/default"] / out["generator_tokens_per_s/deterministic"]
     out["trainer_slowdown"] = out["trainer_fwd_bwd_s/deterministic"] / out["trainer_fwd_bwd_s/default"]
-    print(json.dumps({**{k: round(v, 4) for k, v in out.items()}, "shapes": repr(DETERMINISTIC_SHAPES), "attention": "sdpa"}))
+    print(json.dumps({**{k: round(v, 4) for k, v in out.items()}, "completion_tokens": args.completion_tokens or "task",
+                      "shapes": repr(DETERMINISTIC_SHAPES), "attention": "sdpa"}))
 
 
 def _padding(seqs: list[tuple[list[int], list[int]]]) -> dict[str, float]:

@@ -285,7 +285,7 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str) -> dict[str, Any]:
+def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str, *, deterministic: bool = False) -> dict[str, Any]:
     run_dir = work / "rlbus-run"
     heldout = work / "heldout-greedy.jsonl"
     write_greedy_heldout(heldout)
@@ -296,6 +296,9 @@ def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str) -> dict[st
         text = rlbus_config(model.resolve(), heldout.resolve(), eval_every=POSTHOC_LIVE_EVAL_EVERY, keep_versions=20)
     else:
         text = rlbus_config(model.resolve(), heldout.resolve(), eval_every=EVAL_EVERY, keep_versions=3)
+    if deterministic:
+        for table in ("[trainer]\n", "[generator]\n"):
+            text = text.replace(table, f"{table}deterministic = true\n")
     cfg.write_text(text)
     archive = VersionArchive(run_dir, work / "versions")
     if eval_mode == "posthoc":
@@ -465,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rlbus-eval", choices=["posthoc", "inline"], default="posthoc",
                    help="posthoc (default): evaluate rlbus's versions after the run, off its clock like TRL's; "
                         "inline: evaluate every 2 versions inside the running pipeline, on its clock")
+    p.add_argument("--deterministic", action="store_true",
+                   help="run rlbus with deterministic = true on generator and trainer (bit-exact logprobs)")
     p.add_argument("--reparse", action="store_true",
                    help="rebuild the JSON from an earlier --work-dir (trl.json, rlbus-run/) without running anything")
     args = p.parse_args(argv)
@@ -503,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.reparse:
             res = parse_rlbus(model, budget, work)
         else:
-            res = run_trl(model, budget, work) if name == "trl" else run_rlbus(model, budget, work, args.rlbus_eval)
+            res = run_trl(model, budget, work) if name == "trl" else run_rlbus(model, budget, work, args.rlbus_eval,
+                                                                                    deterministic=args.deterministic)
         if not args.reparse:
             result["machine"][f"loadavg_after_{name}"] = [round(x, 2) for x in os.getloadavg()]
         res["t_to_aux"] = {str(th): first_time_at(res["curve"], th) for th in AUX_THRESHOLDS}
