@@ -121,11 +121,20 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", nargs="?")
     ap.add_argument("--run", type=int, default=0, help="run rlbus up for this many steps first")
+    ap.add_argument("--with", dest="extra", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                    help="a setting for that run (TOML value), e.g. --with generator.batch_wait_s=0; repeatable")
     args = ap.parse_args()
     if args.run:
         run_dir = Path(tempfile.mkdtemp(prefix="rlbus-bench-")) / "run"
         cfg = run_dir.parent / "bench.toml"
-        cfg.write_text("[up]\nstop_at_accuracy = 0.0\n[controller]\neval_every = 50\n")
+        tables: dict[str, list[str]] = {"up": ["stop_at_accuracy = 0.0"], "controller": ["eval_every = 50"]}
+        for setting in args.extra:
+            key, _, value = setting.partition("=")
+            table, _, name = key.rpartition(".")
+            if not table or not name or not value:
+                ap.error(f"--with {setting!r}: write TABLE.KEY=VALUE, e.g. generator.batch_wait_s=0")
+            tables.setdefault(table, []).append(f"{name} = {value}")
+        cfg.write_text("".join(f"[{t}]\n" + "".join(f"{line}\n" for line in lines) for t, lines in tables.items()))
         subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--steps", str(args.run), "--run-dir",
                         str(run_dir), "--no-view"], check=True, capture_output=True)
     elif args.run_dir:

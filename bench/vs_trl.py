@@ -285,7 +285,8 @@ def _read_metrics(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str, *, deterministic: bool = False) -> dict[str, Any]:
+def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str, *, deterministic: bool = False,
+              settings: list[str] | None = None) -> dict[str, Any]:
     run_dir = work / "rlbus-run"
     heldout = work / "heldout-greedy.jsonl"
     write_greedy_heldout(heldout)
@@ -297,8 +298,14 @@ def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str, *, determi
     else:
         text = rlbus_config(model.resolve(), heldout.resolve(), eval_every=EVAL_EVERY, keep_versions=3)
     if deterministic:
-        for table in ("[trainer]\n", "[generator]\n"):
-            text = text.replace(table, f"{table}deterministic = true\n")
+        settings = [*(settings or []), "trainer.deterministic=true", "generator.deterministic=true"]
+    for setting in settings or []:
+        key, _, value = setting.partition("=")
+        table, _, name = key.rpartition(".")
+        if f"[{table}]\n" not in text or not name or not value:
+            raise SystemExit(f"--rlbus-set {setting!r}: write TABLE.KEY=VALUE for a table of the config "
+                             f"(run, trainer, generator, broadcast, controller, up)")
+        text = text.replace(f"[{table}]\n", f"[{table}]\n{name} = {value}\n", 1)
     cfg.write_text(text)
     archive = VersionArchive(run_dir, work / "versions")
     if eval_mode == "posthoc":
@@ -470,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
                         "inline: evaluate every 2 versions inside the running pipeline, on its clock")
     p.add_argument("--deterministic", action="store_true",
                    help="run rlbus with deterministic = true on generator and trainer (bit-exact logprobs)")
+    p.add_argument("--rlbus-set", action="append", default=[], metavar="TABLE.KEY=VALUE",
+                   help="one more rlbus setting (TOML value), e.g. generator.batch_wait_s=0; repeatable")
     p.add_argument("--reparse", action="store_true",
                    help="rebuild the JSON from an earlier --work-dir (trl.json, rlbus-run/) without running anything")
     args = p.parse_args(argv)
@@ -509,7 +518,8 @@ def main(argv: list[str] | None = None) -> int:
             res = parse_rlbus(model, budget, work)
         else:
             res = run_trl(model, budget, work) if name == "trl" else run_rlbus(model, budget, work, args.rlbus_eval,
-                                                                                    deterministic=args.deterministic)
+                                                                                    deterministic=args.deterministic,
+                                                                                    settings=args.rlbus_set)
         if not args.reparse:
             result["machine"][f"loadavg_after_{name}"] = [round(x, 2) for x in os.getloadavg()]
         res["t_to_aux"] = {str(th): first_time_at(res["curve"], th) for th in AUX_THRESHOLDS}
