@@ -132,12 +132,14 @@ def test_sampled_distribution_matches_plain_sampling(policy) -> None:
     gen = torch.Generator().manual_seed(5)
     plain = [tuple(s.completion_ids) for s in
              GroupSampler(StaticSlot(model)).sample_groups([prompt], rows, params, generator=gen)[0]]
-    spec = _model_spec(build_draft(model, layers=1), tail_rows=1, fixed=True)
+    # Two rows a call, both in the tail from their first token: drafts of both rows are verified
+    # in one forward, with their draft distributions side by side.
+    spec = _model_spec(build_draft(model, layers=1), tail_rows=2, fixed=True)
     sampler = GroupSampler(StaticSlot(model), speculation=spec)
     total = TailStats()
     got = []
-    for _ in range(rows):
-        got.append(tuple(sampler.sample_groups([prompt], 1, params, generator=gen)[0][0].completion_ids))
+    for _ in range(rows // 2):
+        got += [tuple(s.completion_ids) for s in sampler.sample_groups([prompt], 2, params, generator=gen)[0]]
         total.add(spec.last_call)
     assert 0 < total.kept < total.drafted
     a, b = Counter(plain), Counter(got)
@@ -244,3 +246,18 @@ def test_distiller_refuses_samples_it_cannot_train_on(policy) -> None:
     DraftDistiller(b).step([PolicySample([1, 5], [6, 20, 30], loss_mask=[1, 0, 0])])
     moved = [k for k, v in a.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
     assert moved and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_a_draft_equal_to_the_policy_has_every_draft_kept(policy) -> None:
+    """With q = p the rule keeps every drafted token (min(1, p/q) = 1): this holds only when the
+    drafter hands over the distributions it sampled from, aligned with its tokens (as point masses
+    the keep rate would be p(x), about 0.5 here)."""
+    model, tok = policy
+    spec = _model_spec(build_draft(model, layers=model.config.num_hidden_layers), tail_rows=2, fixed=True)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8)
+    prompts = [encode_prompt(tok, t) for t in PROMPTS]
+    sampler, gen, total = GroupSampler(StaticSlot(model), speculation=spec), torch.Generator().manual_seed(4), TailStats()
+    for p in prompts:
+        sampler.sample_groups([p], 2, params, generator=gen)
+        total.add(spec.last_call)
+    assert total.drafted >= 24 and total.kept / total.drafted > 0.99, total
