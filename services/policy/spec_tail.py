@@ -105,18 +105,34 @@ class DraftLength:
     1-2 rows and 1.4x at 8 rows with k = 4, and drafting plus the acceptance rule add ~0.1 of a
     step: overhead 0.3, per_token 0.02. Break-even is then alpha ~ 0.35 at 1 row. More rows than
     `tail_rows`: always 0 (the sampler never enters the tail).
+
+    Drafting cost: a draft model's forwards are not free (a 1-layer draft of the 4-layer tiny
+    policy cost ~0.35 of a plain target step per drafted token on this CPU, 2 layers ~0.55;
+    bench/speculative.py), so a round also costs `draft_cost * k` steps: the measured drafting
+    seconds per drafted token in units of a plain step (a verify forward's seconds over its
+    estimated `verify_steps + per_token * k * rows` steps), decayed like the counts towards a
+    prior of 0 (the group drafter's lookups measure ~0.01). It is what switches a draft model off
+    where it cannot pay, and lets it be tried again later.
     """
 
     overhead = 0.3
     per_token = 0.02
+    verify_steps = 1.2
     decay = 0.95
     prior_alpha = 0.5
     prior_trials = 2.0
+    prior_drafted = 2.0
 
     def __init__(self, max_k: int) -> None:
         self.max_k = max_k
         self.kept = 0.0
         self.trials = 0.0
+        self.draft_steps = 0.0  # decayed drafting time, in plain steps
+        self.drafted = 0.0  # decayed drafted tokens per row that time paid for
+
+    @property
+    def draft_cost(self) -> float:
+        return self.draft_steps / (self.drafted + self.prior_drafted)
 
     @property
     def alpha(self) -> float:
@@ -126,12 +142,23 @@ class DraftLength:
         """One verify round: `kept` drafted tokens kept over all rows, `trials` = kept + rejections."""
         self.kept = self.kept * self.decay + kept
         self.trials = self.trials * self.decay + trials
+        self.draft_steps *= self.decay
+        self.drafted *= self.decay
+
+    def observe_cost(self, draft_s: float, verify_s: float, k: int, rows: int) -> None:
+        """One round's timing: `draft_s` proposing k tokens per row, `verify_s` its verify forward."""
+        if k < 1 or verify_s <= 0.0:
+            return
+        step_s = verify_s / (self.verify_steps + self.per_token * k * rows)
+        self.draft_steps += draft_s / step_s
+        self.drafted += k
 
     def k(self, rows: int) -> int:
         a = min(self.alpha, 0.999)
         best_k, best = 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.overhead + self.per_token * k * rows)
+            cost = 1.0 + self.overhead + self.per_token * k * rows + self.draft_cost * k
+            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / cost
             if gain > best + 1e-9:
                 best_k, best = k, gain
         return best_k
@@ -438,8 +465,10 @@ class TailDecoder:
         live.mask = torch.cat([live.mask, (block[None, :keep_cols] <= verified.accepted[:, None]).long()], 1)
         live.next_pos = live.next_pos + verified.emitted
         live.last = verified.tokens.gather(1, verified.accepted[:, None]).squeeze(-1)
+        t2 = time.perf_counter()
         stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
+        stats.verify_s += t2 - t1
+        self.length.observe_cost(t1 - t0, t2 - t1, k, rows)
         self._record(drafts, verified)
 
     def _record(self, drafts: list[list[int]], verified: Verified) -> None:

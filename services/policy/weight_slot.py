@@ -12,15 +12,16 @@ import threading
 import time
 
 import torch
+from transformers import PreTrainedModel
 
-from services.policy.load import check_weights, copy_weights, read_weights
+from services.policy.load import WeightSource, check_weights, copy_weights, read_weights
 
 
 class WeightSlot:
     """The live model plus at most one staged version.  ``maybe_swap`` runs in the sampler
     thread between decode steps; ``stage`` runs in the event loop's worker thread."""
 
-    def __init__(self, model: torch.nn.Module, version: int) -> None:
+    def __init__(self, model: PreTrainedModel, version: int) -> None:
         self.model = model
         self.version = version
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
@@ -32,7 +33,7 @@ class WeightSlot:
         with self._lock:
             return max(self.version, self._pending[0] if self._pending else -1)
 
-    def stage(self, version: int, weights: bytes | memoryview) -> None:
+    def stage(self, version: int, weights: WeightSource) -> None:
         """Decode and check outside the sampler's critical path.  A version that does not fit the
         model raises ``WeightMismatchError`` here and is never staged: were it found out at the swap,
         in the sampler thread, it would fail a batch (or kill an idle generator, and again on every

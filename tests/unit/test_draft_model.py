@@ -261,3 +261,20 @@ def test_a_draft_equal_to_the_policy_has_every_draft_kept(policy) -> None:
         sampler.sample_groups([p], 2, params, generator=gen)
         total.add(spec.last_call)
     assert total.drafted >= 24 and total.kept / total.drafted > 0.99, total
+
+
+def test_draft_length_counts_the_drafting_cost() -> None:
+    from services.policy.spec_tail import DraftLength
+
+    free, costly = DraftLength(max_k=4), DraftLength(max_k=4)
+    for length, draft_s in ((free, 0.0001), (costly, 0.01)):
+        for _ in range(40):
+            length.observe(kept=3, trials=4)  # alpha 0.75: pays when drafting is free
+            # 4 tokens drafted per row at 1 row in 10 ms vs a 5 ms verify forward (~4 ms a step):
+            # ~0.6 steps per drafted token, as a draft model of half the policy's depth.
+            length.observe_cost(draft_s, 0.005, k=4, rows=1)
+    assert free.k(1) == 4 and free.draft_cost < 0.01
+    assert costly.k(1) == 0 and 0.5 < costly.draft_cost < 0.7
+    for _ in range(100):
+        costly.observe(kept=0, trials=0)  # switched off: no rounds, the cost decays to its prior
+    assert costly.k(1) > 0
