@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import threading
-import time
 from typing import Any
 
 import torch
@@ -12,52 +10,11 @@ import torch
 from schemas.metric_keys import SpeculativeKeys
 from services.generator.backend import SampleMeter
 from services.policy.episodes import EpisodeEngine
-from services.policy.load import check_weights, copy_weights, load_policy, load_state_from_safetensors, read_weights
+from services.policy.load import load_policy, load_state_from_safetensors
 from services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
 from services.policy.sampling import SamplingParams
 from services.policy.spec_tail import Speculation, SpeculationConfig
-
-
-class WeightSlot:
-    """The live model plus at most one staged version.  ``maybe_swap`` runs in the sampler
-    thread between decode steps; ``stage`` runs in the event loop's worker thread."""
-
-    def __init__(self, model: torch.nn.Module, version: int) -> None:
-        self.model = model
-        self.version = version
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()
-        self.swaps = 0
-        self.swap_seconds: list[float] = []
-
-    def _newest(self) -> int:
-        with self._lock:
-            return max(self.version, self._pending[0] if self._pending else -1)
-
-    def stage(self, version: int, weights: bytes | memoryview) -> None:
-        """Decode and check outside the sampler's critical path.  A version that does not fit the
-        model raises ``WeightMismatchError`` here and is never staged: were it found out at the swap,
-        in the sampler thread, it would fail a batch (or kill an idle generator, and again on every
-        restart, since the newest manifest is replayed on join)."""
-        if version <= self._newest():
-            return
-        tensors = read_weights(weights)
-        check_weights(self.model, tensors)
-        with self._lock:
-            if version > max(self.version, self._pending[0] if self._pending else -1):
-                self._pending = (version, tensors)
-
-    def maybe_swap(self) -> bool:
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None:
-            return False
-        t0 = time.perf_counter()
-        copy_weights(self.model, pending[1])  # checked when staged
-        self.version = pending[0]
-        self.swaps += 1
-        self.swap_seconds.append(time.perf_counter() - t0)
-        return True
+from services.policy.weight_slot import WeightSlot
 
 
 def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingParams, torch.Generator]:
@@ -68,10 +25,11 @@ def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingPara
     return params, gen
 
 
-def _speculation(options: Any) -> Speculation | None:
-    """[generator.speculative] (a SpeculativeOptions, a dict, or None) as the sampler's speculative tail."""
+def _speculation(options: Any, policy: torch.nn.Module) -> Speculation | None:
+    """[generator.speculative] (a SpeculativeOptions, a dict, or None) as the sampler's speculative tail;
+    a draft model (drafter "model" / "static") is loaded now and checked against the policy."""
     config = SpeculationConfig.of(options)
-    return Speculation(config) if config.drafter != "off" else None
+    return Speculation.build(config, policy) if config.drafter != "off" else None  # type: ignore[arg-type]
 
 
 class TorchBackend(SampleMeter):
@@ -83,7 +41,7 @@ class TorchBackend(SampleMeter):
         self.slot = WeightSlot(model, version)
         # The live sampler only: held-out rounds on the pinned copy decode plainly, so drafting
         # never touches what the held-out accuracy measures.
-        self.speculation = _speculation(speculative)
+        self.speculation = _speculation(speculative, model)
         self.sampler = GroupSampler(self.slot, deterministic=deterministic, mid_sequence_swap=mid_sequence_swap,
                                     speculation=self.speculation)
         # A second copy that never follows the live weights: held-out rounds sample it at exactly
@@ -142,6 +100,12 @@ class TorchBackend(SampleMeter):
 
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         self.slot.stage(version, weights)
+
+    def stage_draft(self, version: int, weights: bytes | memoryview) -> None:
+        """A new version of the draft model (drafter "model"); swapped in between target forwards."""
+        if self.speculation is None:
+            raise RuntimeError("stage_draft needs [generator.speculative] drafter = \"model\"")
+        self.speculation.stage_draft(version, weights)
 
     def apply_staged(self) -> bool:
         return self.slot.maybe_swap()

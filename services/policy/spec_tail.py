@@ -15,7 +15,10 @@ left padding and all. Each round every row proposes up to k tokens from `GroupDr
 siblings' tokens, its own, recent completions of earlier calls); ONE target forward over each
 row's last token and its drafts (right-padded, masked, explicit positions) gives the target's
 processed distribution at every drafted position; `accept_drafts` keeps a prefix and draws the
-correction or bonus token. The cache columns of rejected drafts are masked out for the rows that
+correction or bonus token. With drafter "model" / "static" the proposals are sampled instead from a
+small draft model (`ModelDrafter`, services/policy/model_drafter.py), and their distributions go to
+the acceptance rule, which then keeps the target's distribution exactly; a "model" draft's staged
+versions are swapped in before a drafting round. The cache columns of rejected drafts are masked out for the rows that
 rejected them and cropped where every row did, so no later token attends to them. A row with no
 draft just feeds its last token: a plain decode step. Behaviour log-probs are the target's
 processed log-probs of the emitted tokens, and every token is labelled with the version whose
@@ -31,23 +34,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
+from services.policy.draft_model import load_draft
 from services.policy.drafters import GroupDrafter, RecentCompletions
 from services.policy.errors import PolicyError
+from services.policy.model_drafter import ModelDrafter
 from services.policy.sampling import SamplingParams, processed_logprobs
 from services.policy.speculative import Verified, accept_drafts
+from services.policy.weight_slot import WeightSlot
 
 if TYPE_CHECKING:  # the sampler imports this module
     from services.policy.sampler import ModelSlot, _Completions
 
-DrafterName = Literal["off", "group"]
+DrafterName = Literal["off", "group", "model", "static"]
+MODEL_DRAFTERS = ("model", "static")
 
 
 class SpeculationConfigError(PolicyError):
@@ -61,10 +68,12 @@ class SpeculationConfig:
     drafter: DrafterName = "off"
     tail_rows: int = 2
     max_k: int = 4
+    # The draft model's folder for drafter "model" / "static" (services/policy/draft_model.py).
+    draft_model_path: str = ""
 
     def __post_init__(self) -> None:
-        if self.drafter not in ("off", "group"):
-            raise SpeculationConfigError(f"drafter={self.drafter!r}: use 'off' or 'group'")
+        if self.drafter not in ("off", "group", "model", "static"):
+            raise SpeculationConfigError(f"drafter={self.drafter!r}: use 'off', 'group', 'model' or 'static'")
         if self.tail_rows < 1:
             raise SpeculationConfigError(f"tail_rows={self.tail_rows}: use a value >= 1 (rows left when drafting starts)")
         if not 1 <= self.max_k <= 16:
@@ -96,18 +105,34 @@ class DraftLength:
     1-2 rows and 1.4x at 8 rows with k = 4, and drafting plus the acceptance rule add ~0.1 of a
     step: overhead 0.3, per_token 0.02. Break-even is then alpha ~ 0.35 at 1 row. More rows than
     `tail_rows`: always 0 (the sampler never enters the tail).
+
+    Drafting cost: a draft model's forwards are not free (a 1-layer draft of the 4-layer tiny
+    policy cost ~0.35 of a plain target step per drafted token on this CPU, 2 layers ~0.55;
+    bench/speculative.py), so a round also costs `draft_cost * k` steps: the measured drafting
+    seconds per drafted token in units of a plain step (a verify forward's seconds over its
+    estimated `verify_steps + per_token * k * rows` steps), decayed like the counts towards a
+    prior of 0 (the group drafter's lookups measure ~0.01). It is what switches a draft model off
+    where it cannot pay, and lets it be tried again later.
     """
 
     overhead = 0.3
     per_token = 0.02
+    verify_steps = 1.2
     decay = 0.95
     prior_alpha = 0.5
     prior_trials = 2.0
+    prior_drafted = 2.0
 
     def __init__(self, max_k: int) -> None:
         self.max_k = max_k
         self.kept = 0.0
         self.trials = 0.0
+        self.draft_steps = 0.0  # decayed drafting time, in plain steps
+        self.drafted = 0.0  # decayed drafted tokens per row that time paid for
+
+    @property
+    def draft_cost(self) -> float:
+        return self.draft_steps / (self.drafted + self.prior_drafted)
 
     @property
     def alpha(self) -> float:
@@ -117,15 +142,34 @@ class DraftLength:
         """One verify round: `kept` drafted tokens kept over all rows, `trials` = kept + rejections."""
         self.kept = self.kept * self.decay + kept
         self.trials = self.trials * self.decay + trials
+        self.draft_steps *= self.decay
+        self.drafted *= self.decay
+
+    def observe_cost(self, draft_s: float, verify_s: float, k: int, rows: int) -> None:
+        """One round's timing: `draft_s` proposing k tokens per row, `verify_s` its verify forward."""
+        if k < 1 or verify_s <= 0.0:
+            return
+        step_s = verify_s / (self.verify_steps + self.per_token * k * rows)
+        self.draft_steps += draft_s / step_s
+        self.drafted += k
 
     def k(self, rows: int) -> int:
         a = min(self.alpha, 0.999)
         best_k, best = 0, 1.0
         for k in range(1, self.max_k + 1):
-            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.overhead + self.per_token * k * rows)
+            cost = 1.0 + self.overhead + self.per_token * k * rows + self.draft_cost * k
+            gain = (1.0 - a ** (k + 1)) / (1.0 - a) / cost
             if gain > best + 1e-9:
                 best_k, best = k, gain
         return best_k
+
+
+class FixedDraftLength(DraftLength):
+    """Always `max_k` drafts per row, whatever the acceptance and the rows (a measurement at a set k:
+    the adaptive rule would stop drafting for a poor drafter and leave nothing to measure)."""
+
+    def k(self, rows: int) -> int:
+        return self.max_k
 
 
 @dataclass
@@ -141,6 +185,7 @@ class TailStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     k_last: int = 0
+    draft_swaps: int = 0  # new draft versions swapped in during the tail (drafter "model")
 
     def add(self, other: TailStats) -> None:
         """Add ``other``'s counts and times to these (an aggregate over calls); ``k_last`` is not a count."""
@@ -183,13 +228,49 @@ SwapRule = Callable[[int, int], bool]
 
 class Speculation:
     """The sampler's speculative tail: configuration, the per-drafter draft length, the pool of
-    recent completions, and the last call's statistics."""
+    recent completions, the draft model's slot (drafter "model" / "static") and the last call's
+    statistics.
 
-    def __init__(self, config: SpeculationConfig, *, recent: int = 64) -> None:
+    `draft`: for "static" a slot that never changes (the draft frozen at its first version); for
+    "model" a `WeightSlot` whose staged versions (`stage_draft`) are swapped in between target
+    forwards, so a running generator follows a draft that keeps being distilled."""
+
+    def __init__(self, config: SpeculationConfig, *, recent: int = 64, draft: ModelSlot | None = None,
+                 lengths: DraftLength | None = None) -> None:
+        if config.drafter in MODEL_DRAFTERS and draft is None:
+            raise SpeculationConfigError(
+                f"drafter={config.drafter!r} needs a draft model: set draft_model_path (build one with "
+                "services.policy.draft_model.build_draft) or use drafter = 'group'")
         self.config = config
         self.recent = RecentCompletions(recent=recent)
-        self.lengths = {config.drafter: DraftLength(config.max_k)}
+        # `lengths`: a fixed rule instead of the adaptive one (measurements at a set k).
+        self.lengths = {config.drafter: lengths or DraftLength(config.max_k)}
         self.last_call = TailStats()
+        self.draft = draft
+        self.model_drafter = ModelDrafter(draft) if draft is not None else None
+
+    @classmethod
+    def build(cls, config: SpeculationConfig, policy: PreTrainedModel) -> Speculation:
+        """The tail as [generator.speculative] describes it, the draft loaded from draft_model_path
+        and checked against `policy` (DraftModelError says what does not fit)."""
+        if config.drafter not in MODEL_DRAFTERS:
+            return cls(config)
+        if not config.draft_model_path:
+            raise SpeculationConfigError(
+                f"drafter={config.drafter!r} needs draft_model_path, the draft model's folder: build one with "
+                "services.policy.draft_model.build_draft / save_draft, or use drafter = 'group'")
+        from services.policy.sampler import StaticSlot  # the sampler imports this module
+
+        draft = load_draft(config.draft_model_path, policy)
+        slot: ModelSlot = StaticSlot(draft) if config.drafter == "static" else WeightSlot(draft, 0)
+        return cls(config, draft=slot)
+
+    def stage_draft(self, version: int, weights: bytes | memoryview | Mapping[str, torch.Tensor]) -> None:
+        """Stage a new draft version; the tail swaps it in before its next drafting round."""
+        if not isinstance(self.draft, WeightSlot):
+            raise SpeculationConfigError(
+                f"drafter={self.config.drafter!r} holds no swappable draft: new draft versions need drafter = 'model'")
+        self.draft.stage(version, weights)
 
     @property
     def enabled(self) -> bool:
@@ -251,7 +332,8 @@ class TailDecoder:
             torch.ones((len(state.rows), width), dtype=torch.long, device=self.device)
         self.live = _Live(list(state.rows), mask, state.next_pos[idx], state.last[idx], cache)
         self._compact()
-        self.drafters = self._drafters()
+        self.model_drafter = spec.model_drafter
+        self.drafters = self._drafters() if self.model_drafter is None else {}
 
     def _compact(self) -> None:
         """Drop cache columns no tail row attends to (left padding of prompts longer than every
@@ -323,23 +405,42 @@ class TailDecoder:
         self.live.cache, self.live.mask = fwd.past_key_values, mask
         self.live.next_pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
 
-    def _drafts(self, k: int) -> list[list[int]]:
-        drafts = []
-        for r in self.live.rows:
-            room = self.params.max_new_tokens - int(self.out.length[r]) - 1  # the correction/bonus needs one
+    def _drafts(self, k: int) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Each row's proposal, and the distributions they were drawn from (None: point masses)."""
+        # The correction/bonus token needs one place of the budget.
+        rooms = [max(0, min(k, self.params.max_new_tokens - int(self.out.length[r]) - 1)) for r in self.live.rows]
+        if self.model_drafter is not None:
+            if self.model_drafter.slot.maybe_swap():
+                self.stats.draft_swaps += 1
+            drafts = self.model_drafter.propose(self._contexts(), rooms, self.params, self.gen)
+            return drafts.ids, drafts.probs
+        out = []
+        for r, room in zip(self.live.rows, rooms, strict=True):
             drafter, j = self.drafters[r]
-            drafts.append(drafter.propose(j, min(k, room)) if room > 0 else [])
-        return drafts
+            out.append(drafter.propose(j, room) if room > 0 else [])
+        return out, None
+
+    def _contexts(self) -> list[torch.Tensor]:
+        """Each tail row's prompt and completion so far (its newest token included)."""
+        n, out, state = self.state.n, self.out, self.state
+        seqs = []
+        for r in self.live.rows:
+            plen = int(state.prompt_lens[r // n])
+            prompt = state.prompt_ids[r // n, state.prompt_ids.shape[1] - plen:]
+            seqs.append(torch.cat([prompt, out.tokens[r, : int(out.length[r])]]))
+        return seqs
 
     def _round(self) -> None:
         live, stats = self.live, self.stats
         t0 = time.perf_counter()
         k = self.length.k(len(live.rows))
         stats.k_last = k
-        drafts = self._drafts(k)
+        drafts, draft_probs = self._drafts(k)
         t1 = time.perf_counter()
         rows = len(live.rows)
         width = max(len(d) for d in drafts)
+        if draft_probs is not None:
+            draft_probs = draft_probs[:, :width]
         draft_ids = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long,
                                  device=self.device).reshape(rows, width)
         lens = torch.tensor([len(d) for d in drafts], dtype=torch.long, device=self.device)
@@ -353,7 +454,8 @@ class TailDecoder:
                          position_ids=live.next_pos[:, None] + block[None, :], past_key_values=live.cache,
                          use_cache=True)
         target = processed_logprobs(fwd.logits, self.params.temperature, self.params.top_p)
-        verified = accept_drafts(target, draft_ids, lens, self.gen, greedy=self.params.temperature == 0.0)
+        verified = accept_drafts(target, draft_ids, lens, self.gen, draft_probs=draft_probs,
+                                 greedy=self.params.temperature == 0.0)
         live.cache = fwd.past_key_values
         # Columns past the longest kept prefix hold only rejected drafts: drop them; shorter
         # rows' rejected columns stay masked out.
@@ -363,8 +465,10 @@ class TailDecoder:
         live.mask = torch.cat([live.mask, (block[None, :keep_cols] <= verified.accepted[:, None]).long()], 1)
         live.next_pos = live.next_pos + verified.emitted
         live.last = verified.tokens.gather(1, verified.accepted[:, None]).squeeze(-1)
+        t2 = time.perf_counter()
         stats.draft_s += t1 - t0
-        stats.verify_s += time.perf_counter() - t1
+        stats.verify_s += t2 - t1
+        self.length.observe_cost(t1 - t0, t2 - t1, k, rows)
         self._record(drafts, verified)
 
     def _record(self, drafts: list[list[int]], verified: Verified) -> None:
@@ -383,8 +487,9 @@ class TailDecoder:
                 trials_all += accepted[i] + (accepted[i] < len(drafts[i]))
             emitted = self._append(r, tokens, logps)
             stats.tokens += emitted
-            drafter, j = self.drafters[r]
-            drafter.extend(j, tokens[:emitted])
+            if self.drafters:
+                drafter, j = self.drafters[r]
+                drafter.extend(j, tokens[:emitted])
             if not bool(out.done[r]) and int(out.length[r]) < self.params.max_new_tokens:
                 still.append(i)
         self.length.observe(kept_all, trials_all)

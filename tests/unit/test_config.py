@@ -42,7 +42,7 @@ FROZEN_KEYS: dict[type, list[str]] = {
                         "dead_max_msgs", "dead_max_mib", "objects_max_mib"],
     GeneratorSettings: ["instance", "backend", "pools", "max_batch_groups", "min_batch_groups", "batch_wait_s", "threads", "dtype", "deterministic",
                         "admission", "mid_sequence_swap", "single_turn", "eval_weights", "seed", "env_timeout", "slowdown", "slowdown_file", "openai_port", "openai", "vllm", "speculative"],
-    SpeculativeOptions: ["drafter", "tail_rows", "max_k"],
+    SpeculativeOptions: ["drafter", "tail_rows", "max_k", "draft_model_path"],
     ChatEndpointOptions: ["host", "model", "pool", "env", "max_tokens", "group_timeout_s", "episode_ttl_s"],
     TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
                       "objective", "advantages", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
