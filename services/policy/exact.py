@@ -136,12 +136,7 @@ def fixed_shape_logprobs(
     lengths = [len(p) + len(c) for p, c in sequences]
     with torch.set_grad_enabled(grad), attention(model, attn):
         for width, rows in shapes.plan(lengths):
-            # Pad id 0 is any valid id: causal attention hides pads from every real token.
-            ids = torch.zeros((shapes.batch_size, width), dtype=torch.long)
-            for r, i in enumerate(rows):
-                prompt, completion = sequences[i]
-                ids[r, : lengths[i]] = torch.tensor([*prompt, *completion], dtype=torch.long)
-            ids = ids.to(device)
+            ids = _right_padded([[*sequences[i][0], *sequences[i][1]] for i in rows], shapes.batch_size, width).to(device)
             # Every position's logits, so the output layer's shape is fixed too.
             logits = model(input_ids=ids, use_cache=False).logits
             logprobs = processed_logprobs(logits, params.temperature, params.top_p)
@@ -185,13 +180,9 @@ def shared_prompt_logprobs(
             rows = [live[b] for b in batch]
             # Fill rows repeat the first row: any valid input, their results are dropped.
             filled = rows + [rows[0]] * (shapes.batch_size - len(rows))
-            ids = torch.zeros((shapes.batch_size, width), dtype=torch.long)
-            positions = torch.zeros((shapes.batch_size, width), dtype=torch.long)
-            for r, i in enumerate(filled):
-                prompt, completion = sequences[i]
-                ids[r, : len(completion)] = torch.tensor(list(completion), dtype=torch.long)
-                positions[r] = len(prompt) + torch.arange(width)
+            ids = _right_padded([sequences[i][1] for i in filled], shapes.batch_size, width)
             prompt_lens = [len(sequences[i][0]) for i in filled]
+            positions = torch.tensor(prompt_lens)[:, None] + torch.arange(width)[None, :]
             cache = prompts.cache_for([owners[i] for i in filled], model)
             mask = _completion_mask(prompt_lens, prompt_width, width, prompts.dtype).to(device)
             logits = model(input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
@@ -203,6 +194,15 @@ def shared_prompt_logprobs(
             for r, i in enumerate(rows):
                 out[i] = token_lp[r, : len(sequences[i][1])]
     return out
+
+
+def _right_padded(rows: Sequence[Sequence[int]], batch_size: int, width: int) -> torch.Tensor:
+    """A (batch_size, width) id tensor holding ``rows`` from the left, the rest pad id 0 (any valid
+    id: what the pads compute is hidden from real tokens by causal attention or a mask)."""
+    ids = torch.zeros((batch_size, width), dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, : len(row)] = torch.tensor(list(row), dtype=torch.long)
+    return ids
 
 
 def _checked_device(model: torch.nn.Module, sequences: Sequence[PromptCompletion], shapes: FixedShapes) -> torch.device:
@@ -245,9 +245,7 @@ class _PromptStates:
         last: list[torch.Tensor] = [torch.zeros(0)] * len(prompts)
         for width, rows in shapes.plan([len(p) for p in prompts]):
             # Right padding: causal attention hides the pads from every real prompt token.
-            ids = torch.zeros((shapes.batch_size, width), dtype=torch.long)
-            for r, i in enumerate(rows):
-                ids[r, : len(prompts[i])] = torch.tensor(prompts[i], dtype=torch.long)
+            ids = _right_padded([prompts[i] for i in rows], shapes.batch_size, width)
             fwd = model(input_ids=ids.to(device), past_key_values=DynamicCache(config=model.config), use_cache=True)
             for r, i in enumerate(rows):
                 kv[i] = [(layer.keys[r], layer.values[r]) for layer in fwd.past_key_values.layers]
