@@ -38,6 +38,7 @@ from services.policy.tokenizer import encode_prompt
 from services.policy.weight_slot import WeightSlot
 from services.runtime.config import ConfigError, load_section
 from services.tasks.addition import make_split
+from tests.unit.stats import same_distribution_p
 
 PROMPTS = ("123+456=", "7+95=", "400+600=", "58+67=")
 
@@ -142,13 +143,8 @@ def test_sampled_distribution_matches_plain_sampling(policy) -> None:
         got += [tuple(s.completion_ids) for s in sampler.sample_groups([prompt], 2, params, generator=gen)[0]]
         total.add(spec.last_call)
     assert 0 < total.kept < total.drafted
-    a, b = Counter(plain), Counter(got)
-    common = [c for c in a | b if a[c] + b[c] >= 10]
-    cells = [(a[c], b[c]) for c in common] + [(rows - sum(a[c] for c in common), rows - sum(b[c] for c in common))]
-    stat = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y > 0)
-    df = torch.tensor(float(len(cells) - 1))
-    p_value = float(torch.special.gammaincc(df / 2, torch.tensor(stat, dtype=torch.float64) / 2))
-    assert p_value > 1e-3, (p_value, a.most_common(5), b.most_common(5))
+    p_value = same_distribution_p(plain, got)
+    assert p_value > 1e-3, (p_value, Counter(plain).most_common(5), Counter(got).most_common(5))
 
 
 class StageAt(StaticSlot):

@@ -26,6 +26,7 @@ from services.policy.spec_tail import DraftLength, Speculation, SpeculationConfi
 from services.policy.tokenizer import encode_prompt
 from services.runtime.config import ConfigError, load_section
 from tests.unit.conftest import fresh_model
+from tests.unit.stats import same_distribution_p
 
 PROMPTS = ("123+456=", "7+95=", "400+600=", "58+67=")
 
@@ -185,13 +186,8 @@ def test_sampled_distribution_matches_plain_sampling(policy) -> None:
         got.append(tuple(sampler.sample_groups([prompt], 1, params, generator=gen)[0][0].completion_ids))
         drafted, kept = drafted + spec.last_call.drafted, kept + spec.last_call.kept
     assert 0 < kept < drafted
-    a, b = Counter(plain), Counter(got)
-    common = [c for c in a | b if a[c] + b[c] >= 10]
-    cells = [(a[c], b[c]) for c in common] + [(rows - sum(a[c] for c in common), rows - sum(b[c] for c in common))]
-    stat = sum((x - y) ** 2 / (x + y) for x, y in cells if x + y > 0)
-    df = torch.tensor(float(len(cells) - 1))
-    p_value = float(torch.special.gammaincc(df / 2, torch.tensor(stat, dtype=torch.float64) / 2))
-    assert p_value > 1e-3, (p_value, a.most_common(5), b.most_common(5))
+    p_value = same_distribution_p(plain, got)
+    assert p_value > 1e-3, (p_value, Counter(plain).most_common(5), Counter(got).most_common(5))
 
 
 def test_draft_length_follows_acceptance_and_rows() -> None:
