@@ -117,6 +117,19 @@ def report(run_dir: Path) -> dict[str, object]:
     }
 
 
+def with_settings(text: str, settings: list[str], *, flag: str) -> str:
+    """The TOML config ``text`` with each ``TABLE.KEY=VALUE`` of ``settings`` written under its
+    ``[TABLE]`` (added at the end when the text has none); rlbus's strict config checks the names."""
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        table, _, name = key.rpartition(".")
+        if not table or not name or not value:
+            raise SystemExit(f"{flag} {setting!r}: write TABLE.KEY=VALUE, e.g. generator.batch_wait_s=0")
+        header = f"[{table}]\n"
+        text = text.replace(header, f"{header}{name} = {value}\n", 1) if header in text else f"{text}{header}{name} = {value}\n"
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", nargs="?")
@@ -127,14 +140,8 @@ def main() -> int:
     if args.run:
         run_dir = Path(tempfile.mkdtemp(prefix="rlbus-bench-")) / "run"
         cfg = run_dir.parent / "bench.toml"
-        tables: dict[str, list[str]] = {"up": ["stop_at_accuracy = 0.0"], "controller": ["eval_every = 50"]}
-        for setting in args.extra:
-            key, _, value = setting.partition("=")
-            table, _, name = key.rpartition(".")
-            if not table or not name or not value:
-                ap.error(f"--with {setting!r}: write TABLE.KEY=VALUE, e.g. generator.batch_wait_s=0")
-            tables.setdefault(table, []).append(f"{name} = {value}")
-        cfg.write_text("".join(f"[{t}]\n" + "".join(f"{line}\n" for line in lines) for t, lines in tables.items()))
+        cfg.write_text(with_settings("[up]\nstop_at_accuracy = 0.0\n[controller]\neval_every = 50\n", args.extra,
+                                     flag="--with"))
         subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--steps", str(args.run), "--run-dir",
                         str(run_dir), "--no-view"], check=True, capture_output=True)
     elif args.run_dir:

@@ -58,6 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.pipeline_bench import with_settings  # noqa: E402
 from bench.trl_grpo import (  # noqa: E402
     EVAL_SEED,
     EVAL_TASKS,
@@ -299,14 +300,7 @@ def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str, *, determi
         text = rlbus_config(model.resolve(), heldout.resolve(), eval_every=EVAL_EVERY, keep_versions=3)
     if deterministic:
         settings = [*(settings or []), "trainer.deterministic=true", "generator.deterministic=true"]
-    for setting in settings or []:
-        key, _, value = setting.partition("=")
-        table, _, name = key.rpartition(".")
-        if f"[{table}]\n" not in text or not name or not value:
-            raise SystemExit(f"--rlbus-set {setting!r}: write TABLE.KEY=VALUE for a table of the config "
-                             f"(run, trainer, generator, broadcast, controller, up)")
-        text = text.replace(f"[{table}]\n", f"[{table}]\n{name} = {value}\n", 1)
-    cfg.write_text(text)
+    cfg.write_text(with_settings(text, settings or [], flag="--rlbus-set"))
     archive = VersionArchive(run_dir, work / "versions")
     if eval_mode == "posthoc":
         archive.thread.start()
