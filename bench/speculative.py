@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.speculative_accept import _model  # noqa: E402
-from bench.speculative_tail import Shape, one_pass  # noqa: E402
+from bench.speculative_tail import Shape, add_speedups, one_pass  # noqa: E402
 from services.policy.distill import DraftDistiller, PolicySample  # noqa: E402
 from services.policy.draft_model import build_draft  # noqa: E402
 from services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
@@ -94,11 +94,7 @@ def compare(model: Any, shape: Shape, params: SamplingParams, modes: dict[str, S
                           "tokens_per_forward": round(metrics["tokens_per_forward"], 3),
                           "draft_s": round(t.draft_s, 3), "verify_s": round(t.verify_s, 3)})
         out[m] = entry
-    base = out["off"]
-    for m in modes:
-        if m != "off":
-            out[m]["wall_speedup"] = round(base["wall_ms_per_call"] / out[m]["wall_ms_per_call"], 3)
-            out[m]["cpu_speedup"] = round(base["cpu_ms_per_call"] / out[m]["cpu_ms_per_call"], 3)
+    add_speedups(out)
     return out
 
 
