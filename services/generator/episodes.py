@@ -20,6 +20,11 @@ failure (a malformed or unknown tool call: scored); an environment failure or an
 does not answer (``env_error``: excluded from the loss, counted, never rewarded 0).  A group is
 published when its last episode ends, then its task is acked; a stop hands back the tasks whose
 groups are unfinished.
+
+Deterministic mode: the trainer computes an episode whole, in the fixed shapes of its whole length,
+so turn-by-turn values cannot be its bits; an episode is recomputed whole when it ends (the ones
+that ended since the last run, in one batched call between runs) and claimed exact only if every
+policy token came from the weights still in the slot.  Its group settles after that.
 """
 
 from __future__ import annotations
@@ -81,7 +86,8 @@ class Episode:
     tool_s: float = 0.0
     finish_reason: str = ""
     env_error: str = ""
-    exact: bool = False  # one turn, recomputed in deterministic mode: the trainer's own (prompt, completion)
+    exact: bool = False  # deterministic mode: the logprobs are the trainer's own for (prompt, completion)
+    awaiting_exact: bool = False  # ended; its whole-sequence recompute comes before its group settles
 
     @property
     def done(self) -> bool:
@@ -98,6 +104,11 @@ class Episode:
         self.mask.extend([1] * len(turn.ids))
         self.logprobs.extend(float(x) for x in turn.logprobs)
         self.versions.extend(int(v) for v in turn.versions)
+
+    def policy_version(self) -> int | None:
+        """The one version every policy token came from; None when they span a swap (or there are none)."""
+        versions = {v for v, m in zip(self.versions, self.mask, strict=True) if m}
+        return versions.pop() if len(versions) == 1 else None
 
     def add_observation(self, ids: list[int]) -> None:
         # Environment tokens carry the version of the turn before them: no version produced them,
@@ -132,7 +143,7 @@ class GroupRun:
 
     @property
     def done(self) -> bool:
-        return all(e.done for e in self.episodes)
+        return all(e.done and not e.awaiting_exact for e in self.episodes)
 
 
 class EpisodeCounters:
@@ -144,6 +155,8 @@ class EpisodeCounters:
         self.turns = 0
         self.env_steps = 0
         self.tool_s = 0.0
+        self.recomputed = 0  # deterministic mode: episodes made exact at their end
+        self.recompute_missed = 0  # ... that could not be (a swap came first, a failed recompute)
 
     def metrics(self, in_flight: int) -> dict[str, float]:
         return {"generator/episodes_in_flight": in_flight, "generator/episodes_started": self.started,
@@ -151,6 +164,8 @@ class EpisodeCounters:
                 "generator/episode_tool_s": self.tool_s,
                 "generator/episodes_env_error": self.ended["env_error"],
                 "generator/episodes_policy_error": self.ended["policy_error"],
+                "generator/episodes_recomputed": self.recomputed,
+                "generator/episodes_recompute_missed": self.recompute_missed,
                 **{f"generator/episodes_ended_{r}": n for r, n in self.ended.items()}}
 
 
@@ -176,6 +191,7 @@ class EpisodeDriver:
         # Engine calls queued for the loop, applied between runs, with the episodes each is for.
         self._ops: list[tuple[list[str], Callable[[Any], None]]] = []
         self._decoding: set[str] = set()  # rows with a turn in progress
+        self._exact_pending: list[Episode] = []  # ended, awaiting their whole-sequence recompute
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self._rng = torch.Generator(device="cpu")
@@ -223,6 +239,8 @@ class EpisodeDriver:
         try:
             while not self.life.stopping.is_set():
                 self._apply_ops()
+                if self._exact_pending:
+                    await self._make_exact()
                 if not self._decoding:
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
@@ -387,9 +405,54 @@ class EpisodeDriver:
         if env_error:
             log.warning("episode_env_error", episode=ep.key, error=env_error)
         self._queue([], lambda engine: engine.close(ep.key))
+        if self._wants_exact(ep):
+            ep.awaiting_exact = True
+            self._exact_pending.append(ep)
+            self._wake.set()
+            return
         group = self.groups.get(ep.task.task_id)
         if group is not None and group.done:
             await self._settle(group)
+
+    def _wants_exact(self, ep: Episode) -> bool:
+        """Deterministic mode, an episode not exact yet (several turns, or a turn cut at a stop
+        string) whose policy tokens all come from one version: the trainer computes it whole, in
+        the shapes of its whole completion, so only a recompute of the whole sequence can match."""
+        engine = self._engine
+        return (getattr(engine, "deterministic", False) and not ep.exact and not ep.env_error
+                and ep.policy_version() is not None)
+
+    async def _make_exact(self) -> None:
+        """The episodes that ended since the last run get the trainer's logprobs of their whole
+        sequence, in one batched call; then the groups they complete settle.  A failure keeps the
+        sampled labels (not claimed exact): the groups are published all the same."""
+        ended, self._exact_pending = self._exact_pending, []
+        mine = [(ep, group) for ep in ended
+                if (group := self.groups.get(ep.task.task_id)) is not None and any(e is ep for e in group.episodes)]
+        items = [(group.prompt, ep.ids, self._sampling(ep.task), ep.policy_version()) for ep, group in mine]
+        engine = self._engine_now()
+
+        def recompute() -> list[Any]:
+            with self.gen.model_lock:
+                return list(engine.episode_logprobs(items))
+
+        try:
+            values = await asyncio.to_thread(recompute)
+        except Exception as exc:  # noqa: BLE001 - a failed recompute costs the claim, never the group
+            log.warning("episode_recompute_failed", episodes=len(items), error=f"{type(exc).__name__}: {exc}")
+            values = [None] * len(items)
+        for (ep, _), exact in zip(mine, values, strict=True):
+            ep.awaiting_exact = False
+            if exact is not None:
+                policy = np.asarray(ep.mask) == 1
+                ep.logprobs = np.where(policy, exact, 0.0).astype(np.float32).tolist()
+                ep.exact = True
+                self.counters.recomputed += 1
+            else:
+                self.counters.recompute_missed += 1
+        for group in {id(g): g for _, g in mine}.values():
+            if group.done and self.groups.get(group.held.task.task_id) is group:
+                await self._settle(group)
 
     async def _settle(self, group: GroupRun) -> None:
         task = group.held.task

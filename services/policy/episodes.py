@@ -312,6 +312,29 @@ class EpisodeEngine:
         return {"prefill_tokens": s.prefill_tokens, "reused_tokens": s.reused_tokens, "rebuilds": s.rebuilds,
                 "rows": len(self._rows), "decode_steps": s.decode_steps, "decode_tokens": s.decode_tokens}
 
+    def episode_logprobs(self, episodes: Sequence[tuple[list[int], list[int], SamplingParams, int]]
+                         ) -> list[np.ndarray | None]:
+        """Deterministic mode, at episodes' ends: for each (prompt, everything after it, sampling
+        params, the one version its policy tokens came from), the trainer's batch-invariant logprob
+        of every token after the prompt (observation tokens too; the caller keeps the policy's), or
+        None when the slot holds another version now (its weights are gone: the sampled labels
+        stay, honestly not exact).  Blocking: call it from the engine's thread, between runs."""
+        if not self.deterministic:
+            raise EpisodeEngineError("episode_logprobs is deterministic mode's: build the engine with deterministic=True")
+        version = self.slot.version
+        out: list[np.ndarray | None] = [None] * len(episodes)
+        by_params: dict[tuple[float, float], list[int]] = {}
+        for i, (_, completion, params, v) in enumerate(episodes):
+            if v == version and completion:
+                by_params.setdefault((params.temperature, params.top_p), []).append(i)
+        with torch.no_grad():
+            for (temperature, top_p), members in by_params.items():
+                values = completion_logprobs(self.slot.model, [(episodes[i][0], episodes[i][1]) for i in members],
+                                             SamplingParams(temperature=temperature, top_p=top_p), deterministic=True)
+                for i, v in zip(members, values, strict=True):
+                    out[i] = v.detach().cpu().numpy().astype(np.float32)
+        return out
+
     # --- running ---------------------------------------------------------------------------
 
     def run(self, generator: torch.Generator, max_steps: int = 16) -> list[tuple[str, Turn]]:
@@ -456,13 +479,15 @@ class EpisodeEngine:
         return tokens, logprobs
 
     def _recompute(self, finished: list[tuple[_Row, _TurnInProgress]], version: int) -> None:
-        """Deterministic mode: a turn whose tokens all come from the weights in the slot gets the
-        trainer's batch-invariant logprobs of (its prefix, its tokens); one that spans a swap cannot.
-        Those are what the trainer computes for a one-turn episode; later turns of an episode are
-        recomputed too but the trainer sees them inside the whole episode, in other shapes
-        (`Rollout.exact_logprobs` says which).  One call for the run: the values do not depend on
-        the batch, and the fixed shapes would fill a lone turn's batch with padding rows."""
-        eligible = [(row, turn) for row, turn in finished if turn.ids and all(v == version for v in turn.versions)]
+        """Deterministic mode: a final turn (a single-turn task, the last turn allowed) whose tokens
+        all come from the weights in the slot gets the trainer's batch-invariant logprobs of (its
+        prefix, its tokens); one that spans a swap cannot.  Only final turns: the trainer sees any
+        other turn inside the whole episode, whose completion is padded to another shape, so the
+        caller recomputes those episodes whole at their end (`episode_logprobs`).  One call for the
+        run: the values do not depend on the batch, and the fixed shapes would fill a lone turn's
+        batch with padding rows."""
+        eligible = [(row, turn) for row, turn in finished
+                    if turn.final and turn.ids and all(v == version for v in turn.versions)]
         # Only the temperature and top-p shape the processed distribution (turns differ in max tokens).
         by_params: dict[tuple[float, float], list[tuple[_Row, _TurnInProgress]]] = {}
         for row, turn in eligible:

@@ -59,9 +59,10 @@ class ScriptedTwoTurns(PromptEnv):
         pass
 
 
-def tables(model: Path) -> dict[str, dict[str, Any]]:
+def tables(model: Path, deterministic: bool = False) -> dict[str, dict[str, Any]]:
     return {"run": {"run": RUN, "model_path": str(model), "group_size": 3, "pools": ["train"], "eval_pool": "eval"},
-            "generator": {"admission": False, "min_batch_groups": 1, "batch_wait_s": 0.0}}
+            "generator": {"admission": False, "min_batch_groups": 1, "batch_wait_s": 0.0,
+                          "deterministic": deterministic}}
 
 
 async def play(p: Pipeline, model: Path, n_tasks: int) -> list[RolloutGroup]:
@@ -94,8 +95,12 @@ async def play(p: Pipeline, model: Path, n_tasks: int) -> list[RolloutGroup]:
         await env_bus.close()
 
 
-def test_two_turn_episodes_are_token_exact(tiny_model: Path, tmp_path: Path) -> None:
-    with Pipeline(tmp_path, tables(tiny_model)) as p:
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_two_turn_episodes_are_token_exact(tiny_model: Path, tmp_path: Path, deterministic: bool) -> None:
+    """Deterministic mode: each episode is recomputed whole at its end, so its policy tokens carry
+    exactly the trainer's batch-invariant logprobs of the whole sequence (bit for bit), claimed
+    by ``exact_logprobs`` (no trainer here: no swap can come between an episode's end and that)."""
+    with Pipeline(tmp_path, tables(tiny_model, deterministic)) as p:
         groups = asyncio.run(play(p, tiny_model, n_tasks=4))
     codec = TextCodec.from_folder(str(tiny_model))
     observation = codec.encode(OBSERVATION)
@@ -119,6 +124,11 @@ def test_two_turn_episodes_are_token_exact(tiny_model: Path, tmp_path: Path) -> 
             # The trainer's teacher-forced recompute of the whole sequence, at the policy tokens.
             params = PolicySampling(temperature=TEMPERATURE, top_p=1.0, max_new_tokens=len(completion))
             with torch.no_grad():
-                (recomputed,) = completion_logprobs(model, [(ids[: r.prompt_len], completion)], params)
+                (recomputed,) = completion_logprobs(model, [(ids[: r.prompt_len], completion)], params,
+                                                    deterministic=deterministic)
             policy = np.asarray(mask) == 1
-            np.testing.assert_allclose(lp[policy], recomputed.numpy()[policy], atol=2e-4)
+            assert r.exact_logprobs == deterministic
+            if deterministic:
+                assert np.array_equal(lp[policy], recomputed.numpy()[policy]), "not the trainer's bits"
+            else:
+                np.testing.assert_allclose(lp[policy], recomputed.numpy()[policy], atol=2e-4)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from services.policy.episodes import EpisodeEngine, EpisodeInputError, Turn
+from services.policy.episodes import EpisodeEngine, EpisodeEngineError, EpisodeInputError, Turn
 from services.policy.logprobs import completion_logprobs
 from services.policy.sampler import GroupSampler, StaticSlot
 from services.policy.sampling import SamplingParams
@@ -271,21 +271,34 @@ def test_a_weight_swap_mid_turn_and_between_turns_rebuilds_the_cache(tokenizer) 
 
 
 def test_deterministic_turns_are_bit_identical_to_the_trainer(model, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """A final turn is recomputed in the run (the trainer's (prefix, turn)); an earlier turn is not,
+    since the trainer sees it inside the whole episode: `episode_logprobs` recomputes that at the
+    episode's end, bit-identical to the trainer's whole-sequence values, and only at the slot's version."""
     engine = EpisodeEngine(StaticSlot(model, 5), deterministic=True)
     prompt = encode_prompt(tokenizer, "44+55=")
     engine.open(["a", "b"], prompt)
     for key in ("a", "b"):
         engine.start_turn(key, NUCLEUS, [], 6)
-    _run_all(engine, _gen(9))
+    first = _run_all(engine, _gen(9))
+    assert not any(turn.recomputed for turn in first.values())  # not final: left to the episode's end
     for key in ("a", "b"):
         engine.append(key, _enc(tokenizer, "=99"))
-        engine.start_turn(key, NUCLEUS, [], 6)
+        engine.start_turn(key, NUCLEUS, [], 6, final=True)
     prefixes = {key: engine.tokens(key) for key in ("a", "b")}
     second = _run_all(engine, _gen(10), max_steps=2)
     for key, turn in second.items():
+        assert turn.recomputed
         (trainer,) = completion_logprobs(model, [(prefixes[key], turn.ids)], NUCLEUS, deterministic=True, grad=True)
         assert torch.equal(torch.from_numpy(turn.logprobs), trainer.detach())
+    whole = [(prompt, engine.tokens(key)[len(prompt):], NUCLEUS, 5) for key in ("a", "b")]
+    values = engine.episode_logprobs([*whole, (prompt, whole[0][1], NUCLEUS, 4)])
+    assert values[2] is None  # sampled under version 4, the slot holds 5: those weights are gone
+    for (_, completion, _, _), got in zip(whole, values[:2], strict=True):
+        (trainer,) = completion_logprobs(model, [(prompt, completion)], NUCLEUS, deterministic=True, grad=True)
+        assert got is not None and torch.equal(torch.from_numpy(got), trainer.detach())
     assert model.config._attn_implementation == "sdpa"  # eager attention was only borrowed
+    with pytest.raises(EpisodeEngineError, match="deterministic=True"):
+        EpisodeEngine(StaticSlot(model)).episode_logprobs(whole)
 
 
 def test_context_limits_bad_input_and_closing(model, tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -368,3 +368,44 @@ async def test_the_slowdown_stretches_episode_engine_runs_too(tmp_path: Path) ->
     t0 = time.perf_counter()
     assert meter.paced(lambda: time.sleep(0.05) or "ran") == "ran"
     assert time.perf_counter() - t0 >= 0.15 and meter.sample_seconds >= 0.15
+
+
+class ExactEngine(FakeEngine):
+    """Deterministic mode's engine: `episode_logprobs` gives -0.25 at every token after the prompt,
+    or raises while ``broken`` (a recompute that failed)."""
+
+    deterministic = True
+
+    def __init__(self, backend: FakeBackend) -> None:
+        super().__init__(backend)
+        self.recomputes: list[list[tuple[list[int], list[int], int]]] = []
+        self.broken = False
+
+    def episode_logprobs(self, episodes: list[tuple[list[int], list[int], Any, int]]) -> list[np.ndarray | None]:
+        if self.broken:
+            raise RuntimeError("out of memory")
+        self.recomputes.append([(list(p), list(c), v) for p, c, _, v in episodes])
+        return [np.full(len(c), -0.25, np.float32) if v == self.backend.version else None for _, c, _, v in episodes]
+
+
+async def test_deterministic_episodes_are_recomputed_whole_before_their_group_settles(tmp_path: Path) -> None:
+    """Every two-turn episode gets the engine's whole-sequence values at its policy tokens (0 at the
+    observation's) and claims them exact; a failed recompute costs the claim, never the group."""
+    backend = EpisodeBackend()
+    backend.engine = ExactEngine(backend)
+    async with Harness(tmp_path, backend=backend, env=False) as h:
+        await EpisodicEnv(h).start()
+        await episodic_task(h)
+        await played(h)
+        for r in h.groups()[0].rollouts:
+            assert r.behaviour_logprobs.tolist() == [-0.25, -0.25, 0.0, 0.0, -0.25, -0.25]
+            assert r.exact_logprobs
+        recomputed = [episode for batch in backend.engine.recomputes for episode in batch]
+        assert recomputed == [(PROMPT, TURN + OBSERVATION + TURN, 0)] * 2  # (prompt, the rest, its version)
+        await eventually(lambda: h.metric("generator/episodes_recomputed") == 2, what="recomputes counted")
+        backend.engine.broken = True
+        await episodic_task(h, "ep-1")
+        await played(h, 2)
+        rollouts = {g.task.task_id: g.rollouts for g in h.groups()}["ep-1"]
+        assert all(not r.exact_logprobs and r.behaviour_logprobs.tolist()[:2] == [-0.5, -0.5] for r in rollouts)
+        await eventually(lambda: h.metric("generator/episodes_recompute_missed") == 2, what="misses counted")
