@@ -125,4 +125,8 @@ def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
     except MetricsError as exc:
         print(f"rlbus serve {unit}: {exc}", file=sys.stderr)
         return 2
+    # A rank of a torchrun job ends here without interpreter finalisation (leave_job says why);
+    # looked up, not imported, so the other services never load torch.distributed.
+    if (distributed := sys.modules.get("services.trainer.distributed")) is not None:
+        distributed.leave_job(0)
     return 0

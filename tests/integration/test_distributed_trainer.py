@@ -175,7 +175,8 @@ def test_two_ranks_make_the_single_process_update(tmp_path: Path) -> None:
                            __file__, str(model_dir), str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     job_s = time.perf_counter() - t0
-    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, (f"torchrun failed ({proc.returncode}; rank 0 finished: {(out / 'done').exists()}):\n"
+                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     assert (out / "done").exists(), "rank 0 did not finish"
     # The bad batch was refused on rank 0, naming the token; the comparisons below (three good
     # steps, no more) show it changed no weight and no optimiser state.
@@ -306,4 +307,7 @@ def test_distributed_setting_needs_torchrun_only_when_asked() -> None:
 
 
 if __name__ == "__main__":
+    from services.trainer.distributed import leave_job
+
     _job(Path(sys.argv[1]), Path(sys.argv[2]))
+    leave_job(0)  # as `rlbus serve` ends a rank
