@@ -28,6 +28,11 @@ class GeneratorKeys:
     INFO_POOLS = "pools"
     INFO_SHARES = "shares"
     INFO_MAX_BATCH_GROUPS = "max_batch_groups"
+    # [generator.speculative] drafter = "model": the draft version staged for its drafting rounds
+    # (weight-broadcast keeps it while in use), and policy version - the policy version that
+    # draft was distilled on (how far the draft lags the policy it drafts for).
+    DRAFT_VERSION = "generator/draft_version"
+    DRAFT_VERSION_LAG = "generator/draft_version_lag"
 
     @staticmethod
     def pool_published(pool: str) -> str:
@@ -59,6 +64,22 @@ class SpeculativeKeys:
     def key(name: str) -> str:
         """The key of a ``TailStats.metrics()`` entry."""
         return f"generator/spec/{name}"
+
+
+class SpeculatorKeys:
+    """Emitted by the speculator (services/speculator): the online distillation of the draft model."""
+
+    STEPS = "speculator/steps"  # distillation steps of this process
+    LOSS = "speculator/distill_loss"  # mean loss per trained token of the latest step (nats)
+    SAMPLES = "speculator/samples"  # rollouts taken into the buffer
+    SAMPLES_DROPPED = "speculator/samples_dropped"  # buffered rollouts pushed out by newer ones, never trained
+    GROUPS = "speculator/groups"  # scored groups taken in
+    GROUPS_SKIPPED = "speculator/groups_skipped"  # valid groups not trained on (another temperature, no token)
+    GROUPS_DEAD = "speculator/groups_dead"  # groups dead-lettered (cannot be trained on)
+    PUBLISHED_VERSION = "speculator/published_version"  # newest draft version handed to weight-broadcast
+    POLICY_VERSION = "speculator/policy_version"  # newest policy version seen in a scored group
+    # The newest policy version seen minus the one the newest published draft was distilled on.
+    POLICY_VERSION_LAG = "speculator/policy_version_lag"
 
 
 class TrainerKeys:
