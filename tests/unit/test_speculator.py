@@ -1,7 +1,9 @@
 """The speculator on the in-memory bus: scored groups in, distillation steps, draft versions out
 through weight-broadcast's uploads (with the policy version they were distilled on); a group it
 cannot train on goes to DEAD with the reason and the next one is still trained; a restart numbers
-on from the newest published draft and starts from its weights."""
+on from the newest published draft and starts from its weights; weight-broadcast announces the
+draft under its own name; a generator's draft follower stages it (into a real TorchBackend's draft
+slot at the end of the chain) and shows its lag behind the policy."""
 
 from __future__ import annotations
 
@@ -19,20 +21,27 @@ from transformers import PreTrainedTokenizerFast
 
 from bus.memory import MemoryBus
 from bus.subjects import draft_model_name
-from schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Task, WeightManifest
-from schemas.metric_keys import SpeculatorKeys
+from schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Shard, Task, WeightManifest
+from schemas.metric_keys import GeneratorKeys, SpeculatorKeys
 from schemas.rollout import spans_from_versions
 from services.broadcast.service import Broadcaster, BroadcastService
 from services.broadcast.settings import BroadcastSettings
+from services.generator.core import Generator
+from services.generator.settings import GeneratorSettings
+from services.generator.status import Status
+from services.generator.torch_backend import TorchBackend
+from services.generator.weight_follower import WeightFollower, followed_draft
 from services.policy.draft_model import build_draft, save_draft
 from services.policy.load import load_policy, load_state_from_safetensors
 from services.policy.tokenizer import encode_prompt
 from services.runtime.config import ConfigError, RunSettings
+from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.weights import ObjectStoreTransport
 from services.speculator.service import SpeculatorService
 from services.speculator.settings import SpeculatorSettings
 from tests.unit.conftest import fresh_model
+from tests.unit.test_generator_intake import FakeBackend
 
 RUN = "r"
 DRAFT = draft_model_name("policy")
@@ -175,3 +184,84 @@ async def test_no_draft_folder_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="draft_model_path"):
         await SpeculatorService.build(RunSettings(run=RUN, run_dir=str(tmp_path)), SpeculatorSettings(),
                                       bus=MemoryBus(RUN), life=Lifecycle())
+
+
+# --- generators follow the draft ------------------------------------------------------------------
+
+class FakeDraftBackend(FakeBackend):
+    """A backend with a draft slot: records the draft versions staged (drafter "model")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draft_version = 0
+        self.drafts: list[int] = []
+
+    def stage_draft(self, version: int, weights: bytes | memoryview) -> None:
+        self.drafts.append(version)
+        self.draft_version = version
+
+
+def draft_follower(bus: MemoryBus, backend: Any, tmp_path: Path) -> tuple[WeightFollower, Generator]:
+    gen = Generator(backend, GeneratorSettings(instance="gen-0"), ["train"])
+    status = Status(Beat(bus, bus.subjects, "generator", "gen-0", period=60.0), gen)
+    return WeightFollower(bus, bus.subjects.weights(DRAFT), gen, status, run_dir=str(tmp_path),
+                          followed=followed_draft(backend)), gen
+
+
+async def test_the_draft_follower_stages_draft_versions_and_shows_their_lag(tmp_path: Path) -> None:
+    bus = MemoryBus(RUN)
+    backend = FakeDraftBackend()
+    backend.version = 7  # the live policy
+    follower, gen = draft_follower(bus, backend, tmp_path)
+    data = b"draft weights v2"
+    info = await bus.objects.put("weights/policy-draft/v00000002/model.safetensors", data)
+    manifest = WeightManifest(model=DRAFT, version=2, transport="objstore", policy_version=4,
+                              shards=[Shard(name="model.safetensors", sha256=info.sha256, size=info.size,
+                                            location="weights/policy-draft/v00000002/model.safetensors")])
+    await bus.publish(bus.subjects.weights(DRAFT), manifest.encode(), msg_id=manifest.msg_id)
+    watch = aiter(bus.watch(bus.subjects.weights(DRAFT), deliver="all"))
+    await follower.on_manifest(await anext(watch))
+    assert backend.drafts == [2] and backend.staged == []  # the draft slot, never the policy's
+    assert follower.metrics() == {GeneratorKeys.DRAFT_VERSION: 2.0, GeneratorKeys.DRAFT_VERSION_LAG: 3.0,
+                                  "generator/draft_refused": 0.0}
+    # A forged draft version is refused (DEAD) without touching the policy's refusal count.
+    forged = WeightManifest(model=DRAFT, version=3, transport="objstore", shards=[Shard(
+        name="model.safetensors", sha256="0" * 64, size=1, location="weights/policy-draft/v00000002/model.safetensors")])
+    await bus.publish(bus.subjects.weights(DRAFT), forged.encode(), msg_id=forged.msg_id)
+    await follower.on_manifest(await anext(watch))
+    assert backend.drafts == [2] and gen.weights_refused == 0 and follower.metrics()["generator/draft_refused"] == 1
+    assert [d.reason for d in bus.dead_letters] == ["weights_refused"]
+
+
+async def test_a_distilled_draft_reaches_a_torch_generators_draft_slot(
+        tokenizer: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+    """speculator -> weight-broadcast -> the generator's draft follower -> TorchBackend.stage_draft:
+    the draft slot swaps to the distilled version and holds the speculator's weights."""
+    policy = fresh_model(tokenizer)
+    policy_dir = tmp_path / "policy"
+    policy.save_pretrained(policy_dir)
+    tokenizer.save_pretrained(policy_dir)
+    draft_dir = save_draft(build_draft(policy, layers=1), tokenizer, tmp_path / "draft")
+    backend = TorchBackend(str(policy_dir), speculative={"drafter": "model", "draft_model_path": str(draft_dir)})
+    assert backend.draft_version == 0
+    bus = MemoryBus(RUN)
+    follower, _ = draft_follower(bus, backend, tmp_path)
+    cfg = BroadcastSettings()
+    life = Lifecycle(grace=1.0)
+    broadcast = BroadcastService(RunSettings(run=RUN), cfg, bus=bus, life=life,
+                                 broadcaster=Broadcaster(ObjectStoreTransport(bus), cfg, model="policy"))
+    tasks = asyncio.create_task(run_until_stopped(life, *broadcast.workers(), follower.follow))
+    try:
+        async with speculating(bus, draft_dir, tmp_path / "run", publish_every=2) as service:
+            await send(bus, group(tokenizer, "a", version=1), group(tokenizer, "b", version=1))
+            await eventually(lambda: [m.version for m in announced(bus, DRAFT)] == [1])
+            await eventually(lambda: backend.speculation.draft._pending is not None)  # type: ignore[union-attr]
+            distilled = {k: v.clone() for k, v in service.learner.distiller.draft.state_dict().items()}
+    finally:
+        life.shutdown()
+        await asyncio.wait_for(tasks, 20)
+    slot = backend.speculation.draft  # type: ignore[union-attr]
+    assert slot.maybe_swap() and backend.draft_version == 1  # what the sampler does before a drafting round
+    live = slot.model.state_dict()
+    assert all(torch.equal(live[k], v) for k, v in distilled.items())
+    assert backend.version == 0  # the policy did not move
