@@ -160,9 +160,12 @@ class Broadcaster:
             log.info("weights_deleted", version=version)
 
     def metrics(self) -> dict[str, float]:
-        p = "broadcast/" if self.role == "policy" else "broadcast/draft/"
-        return {f"{p}latest": self.latest, f"{p}retained": len(self.published), f"{p}refused": self.refused,
-                f"{p}deleted": self.deleted, f"{p}verify_seconds": self.verify_seconds}
+        out = {"broadcast/latest": self.latest, "broadcast/retained": len(self.published),
+               "broadcast/refused": self.refused, "broadcast/deleted": self.deleted,
+               "broadcast/verify_seconds": self.verify_seconds}
+        if self.role == "policy":
+            return out
+        return {k.replace("broadcast/", "broadcast/draft/", 1): v for k, v in out.items()}
 
 
 class ClaimSweeper:

@@ -265,3 +265,24 @@ async def test_a_distilled_draft_reaches_a_torch_generators_draft_slot(
     live = slot.model.state_dict()
     assert all(torch.equal(live[k], v) for k, v in distilled.items())
     assert backend.version == 0  # the policy did not move
+
+
+# --- `rlbus up` starts it only for drafter = "model" ---------------------------------------------------
+
+def test_rlbus_up_starts_the_speculator_only_for_the_model_drafter(draft_dir: Path, tmp_path: Path) -> None:
+    import tomllib
+
+    from services.catalog import SINGLETONS, singletons
+    from services.up.main import write_resolved_config
+    from services.up.settings import UpSettings
+
+    assert "speculator" not in SINGLETONS and "speculator" not in singletons({})
+    for drafter in ("off", "group", "static"):
+        assert "speculator" not in singletons({"generator": {"speculative": {"drafter": drafter}}})
+    data = {"generator": {"speculative": {"drafter": "model", "draft_model_path": str(draft_dir)}}}
+    assert singletons(data)[-1] == "speculator" and set(SINGLETONS) < set(singletons(data))
+    resolved = write_resolved_config(data, RunSettings(run=RUN), UpSettings(), tmp_path, "nats://127.0.0.1:1",
+                                     tmp_path / "heldout.jsonl", None)
+    table = tomllib.loads(resolved.read_text())["speculator"]
+    # The draft the generators start from, through the run folder like the trainer's weights.
+    assert table == {"transport": "file", "draft_model_path": str(draft_dir)}
