@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from schemas import ScoredGroup
 from schemas.metric_keys import SpeculatorKeys
 from services.policy.distill import DistillInputError, DraftDistiller, PolicySample
@@ -34,8 +36,8 @@ def samples_of(group: ScoredGroup) -> list[PolicySample]:
         r = scored.rollout
         if r.env_error or scored.env_failure or r.completion_len == 0:
             continue
-        ids = r.token_ids.tolist()
-        mask = r.loss_mask.tolist() if len(r.loss_mask) else None
+        ids = np.asarray(r.token_ids).tolist()
+        mask = np.asarray(r.loss_mask).tolist() if len(r.loss_mask) else None
         out.append(PolicySample(prompt=ids[:r.prompt_len], completion=ids[r.prompt_len:], loss_mask=mask))
     return out
 

@@ -81,7 +81,7 @@ class SpeculatorService:
                                  transport_kind=cfg.transport, book=book)
         self.spec = consumer_spec(run_cfg, cfg, self.subjects)
         self.beat = Beat(bus, self.subjects, "speculator", cfg.instance, period=1.0)
-        self.beat.extra = learner.metrics
+        self.beat.extra = learner.metrics  # SpeculatorKeys; the draft version is speculator/published_version
         self.ready = asyncio.Event()  # a full minibatch is buffered
 
     @classmethod
@@ -115,7 +115,6 @@ class SpeculatorService:
         c = self.learner.c
         c.published_version, c.published_on = manifest.version, manifest.policy_version
         self.learner.trained_on = manifest.policy_version
-        self.beat.version = manifest.version
         log.info("draft_resumed", version=manifest.version, policy_version=manifest.policy_version)
 
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
@@ -134,6 +133,8 @@ class SpeculatorService:
                          "trainer judges it on its own") from None
         if skipped is not None:
             log.debug("group_skipped", task_id=group.task.task_id, why=skipped)
+        # The heartbeat's version is the policy's, as for every service (the draft's is a metric).
+        self.beat.version = self.learner.c.policy_version
         if self.learner.batch_ready:
             self.ready.set()
 
@@ -170,7 +171,6 @@ class SpeculatorService:
         version = max(c.published_version, self.book.highest) + 1
         await self.uploader.hand_over(version, c.steps, policy_version=self.learner.trained_on)
         c.published_version, c.published_on = version, self.learner.trained_on
-        self.beat.version = version
         log.info("draft_handed_over", version=version, policy_version=self.learner.trained_on, steps=c.steps,
                  loss=round(c.loss, 4))
 
