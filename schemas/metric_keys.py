@@ -28,11 +28,6 @@ class GeneratorKeys:
     INFO_POOLS = "pools"
     INFO_SHARES = "shares"
     INFO_MAX_BATCH_GROUPS = "max_batch_groups"
-    # [generator.speculative] drafter = "model": the draft version staged for its drafting rounds
-    # (weight-broadcast keeps it while in use), and policy version - the policy version that
-    # draft was distilled on (how far the draft lags the policy it drafts for).
-    DRAFT_VERSION = "generator/draft_version"
-    DRAFT_VERSION_LAG = "generator/draft_version_lag"
 
     @staticmethod
     def pool_published(pool: str) -> str:
@@ -64,6 +59,16 @@ class SpeculativeKeys:
     def key(name: str) -> str:
         """The key of a ``TailStats.metrics()`` entry."""
         return f"generator/spec/{name}"
+
+
+class DraftKeys:
+    """Emitted by a generator with [generator.speculative] drafter = "model" only (so not in
+    ``GeneratorKeys``, which every generator emits): the draft version in its drafting rounds,
+    read by weight-broadcast's retention, and how far that draft lags the policy it drafts for."""
+
+    VERSION = "generator/draft_version"
+    # The generator's policy version minus the policy version the draft in use was distilled on.
+    VERSION_LAG = "generator/draft_version_lag"
 
 
 class SpeculatorKeys:

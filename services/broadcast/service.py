@@ -3,7 +3,7 @@
 consumes:  rl.<run>.uploads.<model>  (WeightManifest state=uploaded)  durable 'broadcast' on UPLOADS
            rl.<run>.uploads.<model>-draft  (the same, the speculator's draft)  durable 'broadcast_draft'
            rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use (policy: the
-                                            heartbeat's version; draft: GeneratorKeys.DRAFT_VERSION)
+                                            heartbeat's version; draft: DraftKeys.VERSION)
            rl.<run>.control.generator.all.evaluate  (Control ``Evaluate``)  policy versions held-out rounds are pinned to
 produces:  rl.<run>.weights.<model>[-draft]  (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
            the newest message on each subject is the ``latest`` pointer late joiners read
@@ -50,7 +50,7 @@ from bus.protocol import (
 from bus.subjects import Subjects, draft_model_name
 from observability.logging import get_logger
 from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
-from schemas.metric_keys import GeneratorKeys
+from schemas.metric_keys import DraftKeys
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -84,7 +84,7 @@ Role = Literal["policy", "draft"]
 class Broadcaster:
     """The versions of one model: which are published, which generators use, which may go.
     ``role`` "draft": a generator's draft version is read from its heartbeat's
-    ``GeneratorKeys.DRAFT_VERSION``, held-out rounds pin nothing, and metrics are under
+    ``DraftKeys.VERSION``, held-out rounds pin nothing, and metrics are under
     ``broadcast/draft/``."""
 
     def __init__(self, transport: WeightTransport, cfg: BroadcastSettings, *, model: str = "",
@@ -135,7 +135,7 @@ class Broadcaster:
     def note_generator(self, hb: Heartbeat) -> None:
         if hb.service != "generator":
             return
-        version = hb.version if self.role == "policy" else int(hb.metrics.get(GeneratorKeys.DRAFT_VERSION, -1))
+        version = hb.version if self.role == "policy" else int(hb.metrics.get(DraftKeys.VERSION, -1))
         if version >= 0:
             self.in_use[hb.instance] = (version, time.time() if hb.state != "stopped" else 0.0)
 

@@ -22,7 +22,7 @@ from typing import Any
 from bus.protocol import Bus, BusError, Delivery, ObjectNotFound
 from observability.logging import get_logger
 from schemas import SchemaError, Task, WeightManifest
-from schemas.metric_keys import GeneratorKeys
+from schemas.metric_keys import DraftKeys
 from services.generator.backend import Backend, PinnedSampling
 from services.generator.core import Generator, Pins
 from services.generator.status import Status
@@ -145,9 +145,9 @@ class WeightFollower:
         version = self.followed.version()
         manifest = self.manifests.get(version)
         distilled_on = manifest.policy_version if manifest is not None else (0 if version == 0 else -1)
-        out = {GeneratorKeys.DRAFT_VERSION: float(version), "generator/draft_refused": float(len(self.refused))}
+        out = {DraftKeys.VERSION: float(version), "generator/draft_refused": float(len(self.refused))}
         if distilled_on >= 0:
-            out[GeneratorKeys.DRAFT_VERSION_LAG] = float(max(self.backend.version - distilled_on, 0))
+            out[DraftKeys.VERSION_LAG] = float(max(self.backend.version - distilled_on, 0))
         return out
 
     def _remember(self, manifest: WeightManifest) -> None:

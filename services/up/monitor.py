@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Heartbeat, ScoredGroup
-from schemas.metric_keys import GeneratorKeys
+from schemas.metric_keys import DraftKeys
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
@@ -79,10 +79,10 @@ class Monitor:
         """The draft model's state at this step (drafter "model"): the speculator's metrics and the
         largest draft lag among the generators (the one drafting with the stalest draft)."""
         out = dict(self.speculator.metrics) if self.speculator is not None else {}
-        lags = [g.metrics[GeneratorKeys.DRAFT_VERSION_LAG] for g in self.generators.values()
-                if GeneratorKeys.DRAFT_VERSION_LAG in g.metrics]
+        lags = [g.metrics[DraftKeys.VERSION_LAG] for g in self.generators.values()
+                if DraftKeys.VERSION_LAG in g.metrics]
         if lags:
-            out[GeneratorKeys.DRAFT_VERSION_LAG] = max(lags)
+            out[DraftKeys.VERSION_LAG] = max(lags)
         return out
 
     def on_eval(self, group: ScoredGroup) -> dict[str, Any] | None:

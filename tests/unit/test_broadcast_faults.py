@@ -17,7 +17,7 @@ from typing import Any
 from bus.memory import MemoryBus
 from bus.protocol import ServerUnavailable
 from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
-from schemas.metric_keys import GeneratorKeys
+from schemas.metric_keys import DraftKeys
 from services.broadcast.service import Broadcaster, BroadcastService
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
@@ -203,7 +203,7 @@ def test_retention_is_per_model_and_only_the_policy_is_pinned_by_held_out_rounds
             b.mark_published(upload(v, f"weights/x/v{v}", "0" * 64))
     evaluate = Control(seq=1, decision=Evaluate(version=2, tasks=10), target_service="generator")
     hb = Heartbeat(service="generator", instance="gen-0", seq=1, ts=time.time(), version=4,
-                   metrics={GeneratorKeys.DRAFT_VERSION: 3.0})
+                   metrics={DraftKeys.VERSION: 3.0})
     for b in (policy, draft):
         b.note_evaluation(evaluate)
         b.note_generator(hb)

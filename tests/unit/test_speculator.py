@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast
 from bus.memory import MemoryBus
 from bus.subjects import draft_model_name
 from schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Shard, Task, WeightManifest
-from schemas.metric_keys import GeneratorKeys, SpeculatorKeys
+from schemas.metric_keys import DraftKeys, SpeculatorKeys
 from schemas.rollout import spans_from_versions
 from services.broadcast.service import Broadcaster, BroadcastService
 from services.broadcast.settings import BroadcastSettings
@@ -222,7 +222,7 @@ async def test_the_draft_follower_stages_draft_versions_and_shows_their_lag(tmp_
     watch = aiter(bus.watch(bus.subjects.weights(DRAFT), deliver="all"))
     await follower.on_manifest(await anext(watch))
     assert backend.drafts == [2] and backend.staged == []  # the draft slot, never the policy's
-    assert follower.metrics() == {GeneratorKeys.DRAFT_VERSION: 2.0, GeneratorKeys.DRAFT_VERSION_LAG: 3.0,
+    assert follower.metrics() == {DraftKeys.VERSION: 2.0, DraftKeys.VERSION_LAG: 3.0,
                                   "generator/draft_refused": 0.0}
     # A forged draft version is refused (DEAD) without touching the policy's refusal count.
     forged = WeightManifest(model=DRAFT, version=3, transport="objstore", shards=[Shard(
