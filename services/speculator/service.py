@@ -99,22 +99,30 @@ class SpeculatorService:
                    transport=make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir), book=book)
 
     async def resume(self) -> None:
-        """Continue from the newest published draft, if one can be read; else from the folder."""
+        """Number on from the newest published draft and continue from its weights, if they can be
+        read; else from the folder's weights (still numbering above it: weight-broadcast would take
+        a lower number for a duplicate and drop it)."""
         subject = self.subjects.weights(self.model_name)
         raw = await self.bus.last(subject, wait=True)
         if raw is None:
             return
         try:
             manifest = WeightManifest.decode(raw)
-            data = await self.transport.read(manifest.shards[0])
-            await asyncio.to_thread(load_state_from_safetensors, self.learner.distiller.draft, data)
-        except (SchemaError, BusError, OSError, RuntimeError, PolicyError) as exc:
-            log.warning("draft_resume_failed", subject=subject, error=f"{type(exc).__name__}: {exc}"[:500],
-                        todo="distilling on from draft_model_path; version numbers still continue above the last")
+        except SchemaError as exc:
+            log.warning("unreadable_draft_manifest", subject=subject, error=str(exc)[:500],
+                        todo="distilling on from draft_model_path, numbered above the book's highest version")
             return
         c = self.learner.c
-        c.published_version, c.published_on = manifest.version, manifest.policy_version
-        self.learner.trained_on = manifest.policy_version
+        c.published_version = max(c.published_version, manifest.version)
+        try:
+            data = await self.transport.read(manifest.shards[0])
+            await asyncio.to_thread(load_state_from_safetensors, self.learner.distiller.draft, data)
+        except (BusError, OSError, RuntimeError, PolicyError) as exc:
+            log.warning("draft_resume_failed", subject=subject, version=manifest.version,
+                        error=f"{type(exc).__name__}: {exc}"[:500],
+                        todo="distilling on from draft_model_path; version numbers continue above the last")
+            return
+        c.published_on = self.learner.trained_on = manifest.policy_version
         log.info("draft_resumed", version=manifest.version, policy_version=manifest.policy_version)
 
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:

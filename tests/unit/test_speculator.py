@@ -180,6 +180,18 @@ async def test_a_restart_resumes_from_the_newest_published_draft(
     assert broadcast.draft.latest == 2 and broadcast.b.latest == -1
 
 
+async def test_a_restart_whose_draft_bytes_are_gone_still_numbers_above_them(
+        tokenizer: PreTrainedTokenizerFast, draft_dir: Path, tmp_path: Path) -> None:
+    bus = MemoryBus(RUN)
+    gone = WeightManifest(model=DRAFT, version=5, transport="objstore", policy_version=3, shards=[Shard(
+        name="model.safetensors", sha256="0" * 64, size=1, location="weights/policy-draft/v00000005/model.safetensors")])
+    await bus.publish(bus.subjects.weights(DRAFT), gone.encode(), msg_id=gone.msg_id)
+    async with speculating(bus, draft_dir, tmp_path, publish_every=1) as service:
+        assert service.learner.c.published_version == 5  # the folder's weights, numbered above v5
+        await send(bus, group(tokenizer, "a", version=4))
+        await eventually(lambda: [m.version for m in uploads(bus)] == [6])
+
+
 async def test_no_draft_folder_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="draft_model_path"):
         await SpeculatorService.build(RunSettings(run=RUN, run_dir=str(tmp_path)), SpeculatorSettings(),
