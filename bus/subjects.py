@@ -157,6 +157,16 @@ class Subjects:
         return "environment"
 
 
+DRAFT_SUFFIX = "-draft"
+
+
+def draft_model_name(model: str) -> str:
+    """The model name a run's draft model travels under (WEIGHTS and UPLOADS subject token): the
+    speculator uploads it, weight-broadcast announces it, generators with drafter "model" follow it.
+    One spelling, here, so the three cannot drift apart."""
+    return _token("model", f"{_token('model', model)}{DRAFT_SUFFIX}")
+
+
 def split_metrics_subject(subject: str) -> tuple[str, str]:
     """``rl.<run>.metrics.<service>.<instance>`` -> (service, instance)."""
     parts = subject.split(".")

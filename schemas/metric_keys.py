@@ -61,6 +61,32 @@ class SpeculativeKeys:
         return f"generator/spec/{name}"
 
 
+class DraftKeys:
+    """Emitted by a generator with [generator.speculative] drafter = "model" only (so not in
+    ``GeneratorKeys``, which every generator emits): the draft version in its drafting rounds,
+    read by weight-broadcast's retention, and how far that draft lags the policy it drafts for."""
+
+    VERSION = "generator/draft_version"
+    # The generator's policy version minus the policy version the draft in use was distilled on.
+    VERSION_LAG = "generator/draft_version_lag"
+
+
+class SpeculatorKeys:
+    """Emitted by the speculator (services/speculator): the online distillation of the draft model."""
+
+    STEPS = "speculator/steps"  # distillation steps of this process
+    LOSS = "speculator/distill_loss"  # mean loss per trained token of the latest step (nats)
+    SAMPLES = "speculator/samples"  # rollouts taken into the buffer
+    SAMPLES_DROPPED = "speculator/samples_dropped"  # buffered rollouts pushed out by newer ones, never trained
+    GROUPS = "speculator/groups"  # scored groups taken in
+    GROUPS_SKIPPED = "speculator/groups_skipped"  # valid groups not trained on (another temperature, no token)
+    GROUPS_DEAD = "speculator/groups_dead"  # groups dead-lettered (cannot be trained on)
+    PUBLISHED_VERSION = "speculator/published_version"  # newest draft version handed to weight-broadcast
+    POLICY_VERSION = "speculator/policy_version"  # newest policy version seen in a scored group
+    # The newest policy version seen minus the one the newest published draft was distilled on.
+    POLICY_VERSION_LAG = "speculator/policy_version_lag"
+
+
 class TrainerKeys:
     """Emitted by the trainer; read by the controller (state.py, divergence.py), ``rlbus up`` and
     ``rlbus status``."""

@@ -35,8 +35,9 @@ class Shard(Message):
 
 @dataclass(frozen=True)
 class WeightManifest(Message):
-    """A complete, verifiable policy version.  Published by weight-broadcast on WEIGHTS
-    (the upload from the trainer uses the same message with ``state="uploaded"``)."""
+    """A complete, verifiable version of a model (the policy, or its draft).  Published by
+    weight-broadcast on WEIGHTS (the upload from the trainer or the speculator uses the same message
+    with ``state="uploaded"``)."""
 
     KIND = "weight_manifest"
     model: str
@@ -47,6 +48,10 @@ class WeightManifest(Message):
     trainer_step: int = 0
     created_at: float = 0.0
     state: Literal["uploaded", "published"] = "published"
+    # A draft model's version (``<model>-draft``, the speculator's): the newest policy version among
+    # the samples it was distilled on, so a generator can show how far its draft lags the policy.
+    # -1: not a draft, or not known (a manifest written before this field existed).
+    policy_version: int = -1
 
     def validate(self) -> None:
         if self.version < 0:

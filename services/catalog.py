@@ -7,7 +7,16 @@ reward, weight-broadcast, controller, trainer) before the generators that drive 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+
+def speculating(tables: Mapping[str, Any]) -> bool:
+    """[generator.speculative] drafter = "model" in a run's config tables: a draft to distil online
+    (drafter "static" keeps its first version, so it needs no speculator)."""
+    spec = tables.get("generator", {}).get("speculative", {})
+    return isinstance(spec, Mapping) and spec.get("drafter") == "model"
 
 
 @dataclass(frozen=True)
@@ -17,6 +26,8 @@ class ServiceEntry:
     settings: str  # "module:Class" of its typed settings
     torch: bool  # imports torch: needs a thread budget before the import
     replicas: bool  # `rlbus up` may start several (instance names gen-0, gen-1, …)
+    # `rlbus up` starts it only when this says the run's config tables need it (None: always).
+    only_if: Callable[[Mapping[str, Any]], bool] | None = None
 
 
 SERVICES: dict[str, ServiceEntry] = {e.name: e for e in (
@@ -30,9 +41,21 @@ SERVICES: dict[str, ServiceEntry] = {e.name: e for e in (
                  torch=False, replicas=False),
     ServiceEntry("trainer", "services.trainer.service", "services.trainer.settings:TrainerSettings",
                  torch=True, replicas=False),
+    # Runs only with [generator.speculative] drafter = "model" (`rlbus up` starts it then): it
+    # distils the draft on SCORED and uploads its versions, which weight-broadcast announces.
+    ServiceEntry("speculator", "services.speculator.service", "services.speculator.settings:SpeculatorSettings",
+                 torch=True, replicas=False, only_if=speculating),
     ServiceEntry("generator", "services.generator.service", "services.generator.settings:GeneratorSettings",
                  torch=True, replicas=True),
 )}
 
-SINGLETONS: tuple[str, ...] = tuple(n for n, e in SERVICES.items() if not e.replicas)
+# The singletons every pipeline runs; ``singletons(tables)`` adds those a config asks for.
+SINGLETONS: tuple[str, ...] = tuple(n for n, e in SERVICES.items() if not e.replicas and e.only_if is None)
+
+
+def singletons(tables: Mapping[str, Any]) -> tuple[str, ...]:
+    """The singletons a run with these config tables needs, in start order."""
+    return tuple(n for n, e in SERVICES.items() if not e.replicas and (e.only_if is None or e.only_if(tables)))
+
+
 REPLICATED: tuple[str, ...] = tuple(n for n, e in SERVICES.items() if e.replicas)

@@ -1,13 +1,19 @@
-"""weight-broadcast service — verify, version and announce new policy weights.
+"""weight-broadcast service — verify, version and announce new weights of the policy and of its draft.
 
 consumes:  rl.<run>.uploads.<model>  (WeightManifest state=uploaded)  durable 'broadcast' on UPLOADS
-           rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use
-           rl.<run>.control.generator.all.evaluate  (Control ``Evaluate``)  versions held-out rounds are pinned to
-produces:  rl.<run>.weights.<model>         (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
-           the newest message on that subject is the ``latest`` pointer late joiners read
+           rl.<run>.uploads.<model>-draft  (the same, the speculator's draft)  durable 'broadcast_draft'
+           rl.<run>.metrics.generator.*     (Heartbeat)  which versions generators still use (policy: the
+                                            heartbeat's version; draft: DraftKeys.VERSION)
+           rl.<run>.control.generator.all.evaluate  (Control ``Evaluate``)  policy versions held-out rounds are pinned to
+produces:  rl.<run>.weights.<model>[-draft]  (WeightManifest state=published)  msg id 'weights.<model>.v<N>'
+           the newest message on each subject is the ``latest`` pointer late joiners read
            rl.<run>.dead.uploads|control     an upload that fails verification; an evaluate record that does
                                              not decode or holds another decision (with the reason)
-waits for: the trainer's uploads
+waits for: the trainer's uploads (and the speculator's, when one runs)
+Each model is a lane of its own (``Lane``: a ``Broadcaster`` and its durable), so the two numberings,
+retentions and refusals never mix; only the policy's versions are pinned by held-out rounds.  The
+draft has its own durable rather than a second filter on 'broadcast' because JetStream cannot
+change an existing durable's filter: a run made before the draft existed keeps working.
 A shard whose bytes are missing, unaddressable (a bad object name) or do not match their sha256 is
 refused at once: the upload goes to DEAD with the reason and the previous version stays current.
 Only a transient error (the server unavailable) naks it for another try.  A restart past an
@@ -23,9 +29,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Literal
 
 from bus.protocol import (
     BadObjectName,
@@ -38,9 +47,10 @@ from bus.protocol import (
     Poison,
     ServerUnavailable,
 )
-from bus.subjects import Subjects
+from bus.subjects import Subjects, draft_model_name
 from observability.logging import get_logger
 from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
+from schemas.metric_keys import DraftKeys
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
@@ -68,10 +78,21 @@ def refusal(upload: WeightManifest, shard: Shard, exc: BaseException) -> str:
             "the version is refused and the previous one stays current: re-publish it from the trainer")
 
 
+Role = Literal["policy", "draft"]
+
+
 class Broadcaster:
-    def __init__(self, transport: WeightTransport, cfg: BroadcastSettings) -> None:
+    """The versions of one model: which are published, which generators use, which may go.
+    ``role`` "draft": a generator's draft version is read from its heartbeat's
+    ``DraftKeys.VERSION``, held-out rounds pin nothing, and metrics are under
+    ``broadcast/draft/``."""
+
+    def __init__(self, transport: WeightTransport, cfg: BroadcastSettings, *, model: str = "",
+                 role: Role = "policy") -> None:
         self.transport = transport
         self.cfg = cfg
+        self.model = model  # "" (tests): whatever model the lane's subject carries
+        self.role = role
         self.published: dict[int, WeightManifest] = {}
         self.latest = -1
         self.in_use: dict[str, tuple[int, float]] = {}  # generator instance -> (version, seen at)
@@ -101,22 +122,27 @@ class Broadcaster:
                 self.refused += 1
                 raise Poison(refusal(upload, shard, exc)) from None
         self.verify_seconds += time.perf_counter() - t0
-        published = WeightManifest(model=upload.model, version=upload.version, transport=upload.transport,
-                                   shards=upload.shards, tensors=upload.tensors, trainer_step=upload.trainer_step,
-                                   created_at=time.time(), state="published")
-        return published
+        if self.model and upload.model != self.model:
+            raise Poison(f"upload v{upload.version} names model {upload.model!r} on the uploads subject of "
+                         f"{self.model!r}; publish each model's uploads on subjects.weight_uploads(<its model>)")
+        # replace(): every field of the upload travels on (the draft's policy_version too).
+        return dataclasses.replace(upload, created_at=time.time(), state="published")
 
     def mark_published(self, manifest: WeightManifest) -> None:
         self.published[manifest.version] = manifest
         self.latest = max(self.latest, manifest.version)
 
     def note_generator(self, hb: Heartbeat) -> None:
-        if hb.service == "generator" and hb.version >= 0:
-            self.in_use[hb.instance] = (hb.version, time.time() if hb.state != "stopped" else 0.0)
+        if hb.service != "generator":
+            return
+        version = hb.version if self.role == "policy" else int(hb.metrics.get(DraftKeys.VERSION, -1))
+        if version >= 0:
+            self.in_use[hb.instance] = (version, time.time() if hb.state != "stopped" else 0.0)
 
     def note_evaluation(self, ctl: Control) -> None:
-        """Pin the version of a held-out round (``Evaluate``); other decisions are not about retention."""
-        if isinstance(ctl.decision, Evaluate) and self.cfg.keep_eval_versions > 0:
+        """Pin the version of a held-out round (``Evaluate``); other decisions are not about retention,
+        and held-out rounds sample the policy, never the draft."""
+        if self.role == "policy" and isinstance(ctl.decision, Evaluate) and self.cfg.keep_eval_versions > 0:
             self.eval_pins.append(ctl.decision.version)
 
     def deletable(self) -> list[int]:
@@ -134,9 +160,12 @@ class Broadcaster:
             log.info("weights_deleted", version=version)
 
     def metrics(self) -> dict[str, float]:
-        return {"broadcast/latest": self.latest, "broadcast/retained": len(self.published),
-                "broadcast/refused": self.refused, "broadcast/deleted": self.deleted,
-                "broadcast/verify_seconds": self.verify_seconds}
+        out = {"broadcast/latest": self.latest, "broadcast/retained": len(self.published),
+               "broadcast/refused": self.refused, "broadcast/deleted": self.deleted,
+               "broadcast/verify_seconds": self.verify_seconds}
+        if self.role == "policy":
+            return out
+        return {k.replace("broadcast/", "broadcast/draft/", 1): v for k, v in out.items()}
 
 
 class ClaimSweeper:
@@ -183,30 +212,57 @@ class ClaimSweeper:
                 "broadcast/claim_collection_failures": self.failures}
 
 
+@dataclass
+class Lane:
+    """One model's uploads in and manifests out: its ``Broadcaster`` and its uploads durable."""
+
+    model: str
+    b: Broadcaster
+    uploads: ConsumerSpec
+
+
 class BroadcastService:
-    """The I/O around a ``Broadcaster``: uploads in, published manifests and a heartbeat out, and the
-    two watches (generator heartbeats, held-out rounds) that decide what may be deleted."""
+    """The I/O around the ``Broadcaster`` of each model (the policy's and the draft's): uploads in,
+    published manifests and a heartbeat out, and the two watches (generator heartbeats, held-out
+    rounds) that decide what may be deleted."""
 
     def __init__(self, run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle,
-                 broadcaster: Broadcaster, claims: ClaimSweeper | None = None) -> None:
+                 broadcaster: Broadcaster, claims: ClaimSweeper | None = None, draft: Broadcaster | None = None) -> None:
         self.run_cfg = run_cfg
         self.bus = bus
         self.life = life
         self.subjects = Subjects(run_cfg.run)
         self.b = broadcaster
+        draft_name = draft_model_name(run_cfg.model_name)
+        self.draft = draft if draft is not None else Broadcaster(broadcaster.transport, cfg, model=draft_name,
+                                                                 role="draft")
+        self.lanes = {self.subjects.weight_uploads(m): Lane(m, b, self._uploads_spec(m, durable))
+                      for m, b, durable in ((run_cfg.model_name, self.b, "broadcast"),
+                                            (draft_name, self.draft, "broadcast-draft"))}
         self.claims = claims if claims is not None else ClaimSweeper(bus)
         self.beat = Beat(bus, self.subjects, "broadcast", cfg.instance)
-        self.beat.extra = lambda: {**broadcaster.metrics(), **self.claims.metrics()}
-        self.uploads = ConsumerSpec(stream="UPLOADS", durable=self.subjects.durable("broadcast"),
-                                    filter_subjects=(self.subjects.weight_uploads(run_cfg.model_name),), ack_wait=120,
-                                    max_deliver=3, max_ack_pending=4)
+        self.beat.extra = lambda: {**self.b.metrics(), **self.draft.metrics(), **self.claims.metrics()}
+
+    def _uploads_spec(self, model: str, durable: str) -> ConsumerSpec:
+        return ConsumerSpec(stream="UPLOADS", durable=self.subjects.durable(durable),
+                            filter_subjects=(self.subjects.weight_uploads(model),), ack_wait=120, max_deliver=3,
+                            max_ack_pending=4)
+
+    @property
+    def uploads(self) -> ConsumerSpec:
+        """The policy's uploads durable."""
+        return self.lanes[self.subjects.weight_uploads(self.run_cfg.model_name)].uploads
 
     async def resume(self) -> None:
-        """Take the latest published version as current (a restarted broadcast).  An undecodable
-        newest manifest (forged, or written by a newer schema) must not stop the service from
-        starting: it is skipped with a warning and the newest readable one before it is taken, or
-        none (the version numbering then rests on the uploads still to come)."""
-        subject = self.subjects.weights(self.run_cfg.model_name)
+        """Take each model's latest published version as current (a restarted broadcast)."""
+        for lane in self.lanes.values():
+            await self._resume(lane)
+
+    async def _resume(self, lane: Lane) -> None:
+        """An undecodable newest manifest (forged, or written by a newer schema) must not stop the
+        service from starting: it is skipped with a warning and the newest readable one before it is
+        taken, or none (the version numbering then rests on the uploads still to come)."""
+        subject = self.subjects.weights(lane.model)
         latest_raw = await self.bus.last(subject, wait=True)
         if latest_raw is None:
             return
@@ -217,8 +273,8 @@ class BroadcastService:
                         todo="skipped at start-up; looking for the newest readable manifest before it")
             latest = await self._newest_readable(subject, latest_raw)
         if latest is not None:
-            self.b.mark_published(latest)
-            log.info("broadcast_resumed", latest=latest.version)
+            lane.b.mark_published(latest)
+            log.info("broadcast_resumed", model=lane.model, latest=latest.version)
 
     async def _newest_readable(self, subject: str, unreadable: bytes) -> WeightManifest | None:
         """The highest-version readable manifest stored on ``subject`` before the unreadable newest
@@ -240,24 +296,34 @@ class BroadcastService:
     def workers(self) -> tuple[Callable[[], Awaitable[None]], ...]:
         """Every loop the service runs, for ``run_until_stopped``."""
         return (lambda: self.beat.loop(self.life), self.watch_generators, self.watch_evaluations, self.claims.loop,
-                lambda: self.bus.consume(self.uploads, WeightManifest.decode, self.on_upload, batch=1))
+                *(self._consumer(lane) for lane in self.lanes.values()))
+
+    def _consumer(self, lane: Lane) -> Callable[[], Awaitable[None]]:
+        return lambda: self.bus.consume(lane.uploads, WeightManifest.decode, self.on_upload, batch=1)
 
     async def on_upload(self, upload: WeightManifest, d: Delivery[WeightManifest]) -> None:
-        manifest = await self.b.accept(upload)
+        lane = self.lanes.get(d.subject)
+        if lane is None:  # each durable filters on one lane's subject: a bug, not a bad upload
+            raise Poison(f"an upload on {d.subject!r}, which no lane of this broadcast serves")
+        manifest = await lane.b.accept(upload)
         if manifest is None:
             return
-        await self.bus.publish(self.subjects.weights(self.run_cfg.model_name), manifest.encode(), msg_id=manifest.msg_id)
-        self.b.mark_published(manifest)
-        self.beat.version = manifest.version
-        log.info("weights_published", version=manifest.version, shards=len(manifest.shards))
-        await self.b.collect_garbage()
+        await self.bus.publish(self.subjects.weights(lane.model), manifest.encode(), msg_id=manifest.msg_id)
+        lane.b.mark_published(manifest)
+        if lane.b is self.b:  # the heartbeat's version is the policy's
+            self.beat.version = manifest.version
+        log.info("weights_published", model=lane.model, version=manifest.version, shards=len(manifest.shards))
+        await lane.b.collect_garbage()
 
     async def watch_generators(self) -> None:
         async for d in self.bus.watch(self.subjects.metrics_of("generator"), deliver="new"):
             try:
-                self.b.note_generator(Heartbeat.decode(d.msg))
+                hb = Heartbeat.decode(d.msg)
             except SchemaError as exc:
                 log.warning("bad_heartbeat", error=str(exc))
+                continue
+            for lane in self.lanes.values():
+                lane.b.note_generator(hb)
 
     async def watch_evaluations(self) -> None:
         async for d in self.bus.watch(self.subjects.control_action("generator", "all", "evaluate"),
@@ -278,7 +344,8 @@ class BroadcastService:
 
 async def run(run_cfg: RunSettings, cfg: BroadcastSettings, *, bus: Bus, life: Lifecycle) -> None:
     service = BroadcastService(run_cfg, cfg, bus=bus, life=life,
-                               broadcaster=Broadcaster(make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir), cfg))
+                               broadcaster=Broadcaster(make_transport(cfg.transport, bus=bus, root=run_cfg.run_dir), cfg,
+                                                       model=run_cfg.model_name))
     await service.resume()
     service.beat.state = "running"
     await run_until_stopped(life, *service.workers())

@@ -8,7 +8,7 @@ Writes, into ``--out`` (mode 0700):
   ``<role>.env`` (``RLBUS_RUN__NATS_USER`` and ``RLBUS_NATS_PASSWORD``, for an env file), mode 0600.
   No password is ever printed.
 
-Roles: the six services plus ``operator`` (``rlbus publish``, ``status``, ``streams``, ``control``
+Roles: the services of the catalog (``services.catalog``) plus ``operator`` (``rlbus publish``, ``status``, ``streams``, ``control``
 and stream administration).  What each service may publish and subscribe follows its module's
 dataflow contract; the JetStream API subjects follow what the bus does for it (``bus.connection``,
 ``bus.streams``, ``bus.objects``, ``bus.advisories``):
@@ -19,7 +19,8 @@ dataflow contract; the JetStream API subjects follow what the bus does for it (`
 | environment | replies to env requests only           | (core request/reply)       |                        | no     |
 | reward      | scored                                 | ROLLOUTS reward            |                        | yes    |
 | trainer     | weight uploads (UPLOADS)               | SCORED trainer             | WEIGHTS (last)         | yes    |
-| broadcast   | weight versions                        | UPLOADS broadcast          | WEIGHTS, METRICS, CONTROL | yes |
+| broadcast   | weight versions (policy and draft)     | UPLOADS broadcast, broadcast_draft | WEIGHTS, METRICS, CONTROL | yes |
+| speculator  | draft weight uploads (UPLOADS)         | SCORED speculator          | WEIGHTS (last)         | yes    |
 | controller  | control decisions, eval-pool tasks     |                            | CONTROL, METRICS, stream state | no |
 
 The environment subscribes to the env request subjects in its queue group and to every replica's
@@ -56,7 +57,7 @@ from pathlib import Path
 from bus.credentials import inbox_prefix
 from bus.routing import WORK_QUEUES
 from bus.streams import LEGACY_ADVISORY_DURABLE
-from bus.subjects import ENV_OPS, STREAM_KINDS, Subjects
+from bus.subjects import ENV_OPS, STREAM_KINDS, Subjects, draft_model_name
 from services.catalog import SERVICES
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 
@@ -104,6 +105,7 @@ class RunPermissions:
             return self.operator()
         g = self.service_base(role)
         s, model = self.s, self.cfg.model_name
+        draft = draft_model_name(model)
         if role == "generator":
             self.consume(g, "TASKS", [s.durable("generator", p) for p in self.pools])
             self.watch(g, "WEIGHTS", "CONTROL")
@@ -124,9 +126,14 @@ class RunPermissions:
             g.pub(s.weight_uploads(model))
             self.bucket(g)
         elif role == "broadcast":
-            self.consume(g, "UPLOADS", [s.durable("broadcast")])
+            self.consume(g, "UPLOADS", [s.durable("broadcast"), s.durable("broadcast-draft")])
             self.watch(g, "WEIGHTS", "METRICS", "CONTROL")
-            g.pub(s.weights(model))
+            g.pub(s.weights(model), s.weights(draft))
+            self.bucket(g)
+        elif role == "speculator":
+            self.consume(g, "SCORED", [s.durable("speculator")])
+            self.read_last(g, "WEIGHTS")  # its newest published draft, to resume from
+            g.pub(s.weight_uploads(draft))
             self.bucket(g)
         elif role == "controller":
             self.watch(g, "CONTROL", "METRICS")

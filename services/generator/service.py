@@ -2,6 +2,8 @@
 
 consumes:  rl.<run>.tasks.<pool>          (Task)            durable 'generator_<pool>' shared by replicas
            rl.<run>.weights.<model>       (WeightManifest)  latest on join, then every new version
+           rl.<run>.weights.<model>-draft (WeightManifest)  the same for the draft model, only with
+             [generator.speculative] drafter = "model" ("static" keeps its first version for good)
            rl.<run>.control.generator.<instance|all>.<action>  (Control) the last of each action on join, one
              typed decision each: Admit (cumulative grant for this boot, the newest holds, + freshness floor);
              AssignPools (pools in priority order, the share of starts per pool); Concurrency (most groups
@@ -48,7 +50,7 @@ import asyncio
 from typing import Any
 
 from bus.protocol import Bus
-from bus.subjects import Subjects
+from bus.subjects import Subjects, draft_model_name
 from observability.logging import get_logger
 from services.generator.backend import BACKENDS, Backend
 from services.generator.batch import BatchDriver, SlowdownFile
@@ -59,7 +61,7 @@ from services.generator.intake import TASK_ACK_WAIT, TaskIntake
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
 from services.generator.status import Status
-from services.generator.weight_follower import WeightFollower
+from services.generator.weight_follower import WeightFollower, followed_draft
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
@@ -101,11 +103,17 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                         max_ack_pending=max(4 * run_cfg.admission_window_groups, 256))
     publisher = Publisher(bus, subjects, gen, life)
     episodes = EpisodeDriver(bus, subjects, gen, cfg, publisher=publisher, status=status, life=life)
-    status.beat.extra = lambda: {**gen.metrics(), **episodes.metrics()}
+    # drafter "model" follows the speculator's draft versions; "static" never does (frozen at its first).
+    drafts = WeightFollower(bus, subjects.weights(draft_model_name(run_cfg.model_name)), gen, status,
+                            run_dir=run_cfg.run_dir, followed=followed_draft(backend)) \
+        if cfg.speculative.drafter == "model" else None
+    status.beat.extra = lambda: {**gen.metrics(), **episodes.metrics(), **(drafts.metrics() if drafts else {})}
     driver = BatchDriver(bus, subjects, gen, cfg, intake=intake, weights=weights, publisher=publisher, status=status,
                          life=life, slowdown=SlowdownFile(cfg.slowdown_file), episodes=episodes)
     log.info("generator_ready", backend=cfg.backend, pools=train_pools + eval_pools, boot=gen.boot)
     workers = [lambda: status.beat.loop(life), weights.follow, control.follow, driver.loop, episodes.loop]
+    if drafts is not None:
+        workers.append(drafts.follow)
     if chat is not None:
         workers.append(lambda: chat.serve(cfg.openai.host, cfg.openai_port, life))
     await run_until_stopped(life, *workers)

@@ -101,6 +101,13 @@ class TorchBackend(SampleMeter):
     def stage(self, version: int, weights: bytes | memoryview) -> None:
         self.slot.stage(version, weights)
 
+    @property
+    def draft_version(self) -> int:
+        """The draft model's version in the drafting rounds now (0: the draft_model_path folder's;
+        -1: no draft model)."""
+        draft = self.speculation.draft if self.speculation is not None else None
+        return int(draft.version) if draft is not None else -1
+
     def stage_draft(self, version: int, weights: bytes | memoryview) -> None:
         """A new version of the draft model (drafter "model"); swapped in between target forwards."""
         if self.speculation is None:

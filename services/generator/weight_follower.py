@@ -1,4 +1,6 @@
-"""New policy versions, from WEIGHTS to the backend, and the versions held-out rounds are pinned to.
+"""New policy versions, from WEIGHTS to the backend, and the versions held-out rounds are pinned to;
+with [generator.speculative] drafter = "model", a second follower does the same for the draft model
+(``<model>-draft``, the speculator's versions), staged with ``backend.stage_draft``.
 
 A version is read through the transport its manifest names (the trainer and weight-broadcast
 agree on it), so generators need no setting of their own that could disagree.  Every read is
@@ -13,16 +15,40 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from bus.protocol import Bus, BusError, Delivery, ObjectNotFound
 from observability.logging import get_logger
 from schemas import SchemaError, Task, WeightManifest
-from services.generator.backend import PinnedSampling
+from schemas.metric_keys import DraftKeys
+from services.generator.backend import Backend, PinnedSampling
 from services.generator.core import Generator, Pins
 from services.generator.status import Status
 from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
 
 log = get_logger()
+
+
+@dataclass(frozen=True)
+class Followed:
+    """Which model of the backend a follower keeps current: its version now and how a new one is
+    staged.  The policy's is the backend itself; the draft's (drafter "model") the speculative
+    tail's draft slot."""
+
+    what: str  # "policy" | "draft": logs, and whose refusals the heartbeat counts where
+    version: Callable[[], int]
+    stage: Callable[[int, bytes | memoryview], None]
+
+
+def followed_policy(backend: Backend) -> Followed:
+    return Followed("policy", lambda: backend.version, backend.stage)
+
+
+def followed_draft(backend: Any) -> Followed:
+    """The draft of a torch backend built with drafter = "model" (``draft_version``, ``stage_draft``)."""
+    return Followed("draft", lambda: int(backend.draft_version), backend.stage_draft)
 
 
 class WeightFollower:
@@ -33,11 +59,13 @@ class WeightFollower:
     KEEP_MANIFESTS = 32  # recent versions a held-out round may still be pinned to
     PIN_WAIT_S = 5.0  # how long a round scheduled at a version not seen yet waits for its manifest
 
-    def __init__(self, bus: Bus, subject: str, gen: Generator, status: Status, *, run_dir: str) -> None:
+    def __init__(self, bus: Bus, subject: str, gen: Generator, status: Status, *, run_dir: str,
+                 followed: Followed | None = None) -> None:
         self.bus = bus
         self.subject = subject
         self.gen = gen
         self.backend = gen.backend
+        self.followed = followed or followed_policy(gen.backend)
         self.status = status
         self.run_dir = run_dir
         self.manifests: dict[int, WeightManifest] = {}
@@ -58,7 +86,7 @@ class WeightFollower:
             await self._refuse(d, None, exc)
             return
         self._remember(manifest)
-        if manifest.version <= self.backend.version:
+        if manifest.version <= self.followed.version():
             return
         t0 = time.perf_counter()
         try:
@@ -72,13 +100,14 @@ class WeightFollower:
         try:
             # The backend checks names, shapes, dtypes and values against the live model before
             # anything is swapped: a version that does not fit raises here and sampling goes on.
-            await asyncio.to_thread(self.backend.stage, manifest.version, data)
+            await asyncio.to_thread(self.followed.stage, manifest.version, data)
         except Exception as exc:  # noqa: BLE001 - a version that does not fit: refused, never fatal
             await self._refuse(d, manifest.version, exc)
             return
         fetch_s = time.perf_counter() - t0
-        self.status.set_metric("generator/weight_fetch_s", fetch_s)
-        log.info("weights_staged", version=manifest.version, fetch_s=round(fetch_s, 4))
+        self.status.set_metric("generator/weight_fetch_s" if self.followed.what == "policy"
+                               else "generator/draft_fetch_s", fetch_s)
+        log.info("weights_staged", model=self.followed.what, version=manifest.version, fetch_s=round(fetch_s, 4))
         self.status.changed()  # an idle batch loop applies it now; a freshness floor may have opened
 
     async def _refuse(self, d: Delivery[bytes], version: int | None, exc: BaseException) -> None:
@@ -89,9 +118,10 @@ class WeightFollower:
             self.gen.dead += 1
         else:
             self.refused.add(version)
-            self.gen.note_weights_refused(version, error)
-        log.error("weights_refused", version=version, live_version=self.backend.version, error=error,
-                  hint="sampling goes on with the live weights; publish a version saved from this model")
+            if self.followed.what == "policy":  # a draft's refusals are counted in ``metrics``
+                self.gen.note_weights_refused(version, error)
+        log.error("weights_refused", model=self.followed.what, version=version, live_version=self.followed.version(),
+                  error=error, hint="sampling goes on with the live weights; publish a version saved from this model")
         self.status.changed()
         try:
             await self.bus.dead_letter(d.subject, d.msg, reason="weights_refused", error=error)
@@ -105,6 +135,20 @@ class WeightFollower:
         log.warning("weights_gone", version=manifest.version, error=f"{type(exc).__name__}: {exc}",
                     hint="retention deleted it before this generator read it; the newer versions follow")
         self.status.changed()
+
+    def metrics(self) -> dict[str, float]:
+        """The draft follower's heartbeat keys: the draft version in use and how far the policy has
+        moved since the samples it was distilled on.  The folder's draft (version 0) was built from
+        the initial policy, version 0; a version whose manifest this generator never saw reports no lag."""
+        if self.followed.what != "draft":
+            return {}
+        version = self.followed.version()
+        manifest = self.manifests.get(version)
+        distilled_on = manifest.policy_version if manifest is not None else (0 if version == 0 else -1)
+        out = {DraftKeys.VERSION: float(version), "generator/draft_refused": float(len(self.refused))}
+        if distilled_on >= 0:
+            out[DraftKeys.VERSION_LAG] = float(max(self.backend.version - distilled_on, 0))
+        return out
 
     def _remember(self, manifest: WeightManifest) -> None:
         self.manifests[manifest.version] = manifest

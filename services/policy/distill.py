@@ -1,5 +1,5 @@
-"""Distilling the draft model on the policy's own samples (a library; the `speculator` role that
-runs it on the scored stream is the next piece of issue 16).
+"""Distilling the draft model on the policy's own samples (a library; the `speculator` service,
+services/speculator/, runs it on the scored stream).
 
 Why cross-entropy on sampled tokens is distillation: every completion token the policy sampled
 is a draw from its processed distribution p(. | prefix), so the expected loss
@@ -57,22 +57,29 @@ class DraftDistiller:
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=lr, betas=betas, weight_decay=0.0)
         self.steps = 0
 
+    def check(self, sample: PolicySample, i: int = 0) -> tuple[list[int], list[int]]:
+        """(the sample's ids, its loss mask), or `DistillInputError` saying why it cannot be trained on.
+        Public so a caller that buffers samples (the speculator) refuses a bad one when it arrives,
+        not inside a later minibatch of good ones."""
+        mask = sample.mask()
+        if len(mask) != len(sample.completion):
+            raise DistillInputError(f"sample {i}: loss_mask has {len(mask)} entries for {len(sample.completion)} "
+                                    "completion tokens: give one per completion token")
+        vocab = int(self.draft.config.vocab_size)
+        seq = [int(t) for t in (*sample.prompt, *sample.completion)]
+        if not sample.prompt or any(t < 0 or t >= vocab for t in seq):
+            raise DistillInputError(f"sample {i}: empty prompt or a token id outside the draft's vocabulary "
+                                    f"({vocab}): distil on the policy's own token ids")
+        context = getattr(self.draft.config, "max_position_embeddings", None)
+        if context is not None and len(seq) > context:
+            raise DistillInputError(f"sample {i} has {len(seq)} tokens, the draft's context is {context}")
+        return seq, mask
+
     def _batch(self, samples: Sequence[PolicySample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Right-padded ids, attention mask, and next-token targets (-100 where no loss)."""
-        vocab = int(self.draft.config.vocab_size)
-        context = getattr(self.draft.config, "max_position_embeddings", None)
         rows = []
         for i, s in enumerate(samples):
-            mask = s.mask()
-            if len(mask) != len(s.completion):
-                raise DistillInputError(f"sample {i}: loss_mask has {len(mask)} entries for {len(s.completion)} "
-                                        "completion tokens: give one per completion token")
-            seq = [int(t) for t in (*s.prompt, *s.completion)]
-            if not s.prompt or any(t < 0 or t >= vocab for t in seq):
-                raise DistillInputError(f"sample {i}: empty prompt or a token id outside the draft's vocabulary "
-                                        f"({vocab}): distil on the policy's own token ids")
-            if context is not None and len(seq) > context:
-                raise DistillInputError(f"sample {i} has {len(seq)} tokens, the draft's context is {context}")
+            seq, mask = self.check(s, i)
             rows.append((seq, len(s.prompt), mask))
         width = max(len(seq) for seq, _, _ in rows)
         ids = torch.zeros((len(rows), width), dtype=torch.long)

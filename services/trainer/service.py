@@ -17,7 +17,7 @@ A scored group passes through, in order:
                             a step that refuses its input (LogprobInputError: what the intake
                             judge, judge.py, let through) refuses the groups at fault, makes no
                             version, and gives the others back for the next batch
-  Uploader (upload.py)      snapshots the new version's weights, uploads them in the background,
+  Uploader (policy/upload.py) snapshots the new version's weights, uploads them in the background,
                             one at a time, in version order
   Committer (commit.py)     records the group in the ledger; every ``checkpoint_every`` steps
                             checkpoints (fsync) and then acks what the checkpoint before it
@@ -52,6 +52,7 @@ from observability import tracing
 from observability.logging import get_logger
 from schemas import SchemaError, ScoredGroup, WeightManifest
 from services.policy.logprobs import LogprobInputError
+from services.policy.upload import Uploader
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle
@@ -66,7 +67,6 @@ from services.trainer.policy import TrainedPolicy
 from services.trainer.settings import TrainerSettings
 from services.trainer.step import PackedSeq, pack, step_refusals
 from services.trainer.telemetry import Telemetry
-from services.trainer.upload import Uploader
 from services.trainer.versions import VersionBook
 
 log = get_logger()

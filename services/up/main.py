@@ -1,7 +1,7 @@
 """``rlbus up``: the whole pipeline on one machine on an embedded NATS server.
 
-build/load the model -> write the task sets -> start nats-server -> start the six services as
-separate processes -> publish the tasks -> watch (live view, metrics.jsonl) -> stop everything
+build/load the model -> write the task sets -> start nats-server -> start the services as
+separate processes (the speculator only with [generator.speculative] drafter = "model") -> publish the tasks -> watch (live view, metrics.jsonl) -> stop everything
 by pid -> report.png and the final policy as a Hugging Face folder.
 """
 
@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from services.catalog import SERVICES, SINGLETONS
+from services.catalog import SERVICES, singletons
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 from services.up.procs import Children
 from services.up.settings import UpSettings
@@ -140,8 +140,12 @@ def write_resolved_config(data: dict[str, Any], run_cfg: RunSettings, up_cfg: Up
     tables["generator"].setdefault("backend", up_cfg.backend)
     # Every service of `rlbus up` shares this run folder: weights go through it (memory-mapped)
     # instead of being chunked through the object store and read back twice per version.
-    for section in ("trainer", "broadcast"):
+    for section in ("trainer", "broadcast", "speculator"):
         tables[section].setdefault("transport", "file")
+    # The speculator distils the very draft the generators start from.
+    draft = tables["generator"].get("speculative", {}).get("draft_model_path", "")
+    if draft:
+        tables["speculator"].setdefault("draft_model_path", draft)
     if backend:  # an explicit --backend wins over the config file's [generator] backend
         tables["generator"]["backend"] = backend
     resolved = folder / "config.toml"
@@ -165,7 +169,8 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         up_cfg = up_cfg.model_copy(update=overrides)
         if "model_path" not in run_cfg.model_fields_set:  # each task has its own warm-started policy
             run_cfg = run_cfg.model_copy(update={"model_path": DEFAULT_MODEL_PATHS[up_cfg.task]})
-        ports = metrics_ports(run_cfg.metrics_port, [*SINGLETONS, *(f"generator-{i}" for i in range(up_cfg.generators))])
+        started = singletons(data)
+        ports = metrics_ports(run_cfg.metrics_port, [*started, *(f"generator-{i}" for i in range(up_cfg.generators))])
     except ConfigError as exc:
         print(f"rlbus up: {exc}", file=sys.stderr)
         return 2
@@ -191,7 +196,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     resolved = write_resolved_config(data, run_cfg, up_cfg, folder, server.url, heldout, backend)
     code = 0
     try:
-        for name in SINGLETONS:
+        for name in started:
             children.start(name, name, resolved, env=ports.get(name))
         for i in range(up_cfg.generators):
             children.start(f"generator-{i}", "generator", resolved,

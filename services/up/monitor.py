@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Heartbeat, ScoredGroup
+from schemas.metric_keys import DraftKeys
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
@@ -36,6 +37,7 @@ class Monitor:
     version: int = 0
     tokens_per_s: float = 0.0
     generators: dict[str, Heartbeat] = field(default_factory=dict)
+    speculator: Heartbeat | None = None  # the latest, with [generator.speculative] drafter = "model"
     _eval_rounds: dict[int, list[tuple[float, int, int]]] = field(default_factory=lambda: defaultdict(list))
     _tok_hist: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
     _rate_by: dict[str, float] = field(default_factory=dict)
@@ -57,6 +59,9 @@ class Monitor:
                 self._rate_by[hb.instance] = (tok - hist[0][1]) / (hb.ts - hist[0][0])
                 self.tokens_per_s = sum(self._rate_by.values())
             return None
+        if hb.service == "speculator":
+            self.speculator = hb
+            return None
         if hb.service != "trainer":
             return None
         step = int(hb.metrics.get("trainer/step", 0))
@@ -65,10 +70,20 @@ class Monitor:
         self.last_step = step
         self.version = hb.version
         row = {"kind": "train", "t": round(time.time() - self.t0, 3), "step": step, "version": hb.version,
-               "generator/tokens_per_s": round(self.tokens_per_s, 1), **hb.metrics}
+               "generator/tokens_per_s": round(self.tokens_per_s, 1), **hb.metrics, **self.drafting()}
         self.steps.append(row)
         self._write(row)
         return row
+
+    def drafting(self) -> dict[str, float]:
+        """The draft model's state at this step (drafter "model"): the speculator's metrics and the
+        largest draft lag among the generators (the one drafting with the stalest draft)."""
+        out = dict(self.speculator.metrics) if self.speculator is not None else {}
+        lags = [g.metrics[DraftKeys.VERSION_LAG] for g in self.generators.values()
+                if DraftKeys.VERSION_LAG in g.metrics]
+        if lags:
+            out[DraftKeys.VERSION_LAG] = max(lags)
+        return out
 
     def on_eval(self, group: ScoredGroup) -> dict[str, Any] | None:
         round_version = int(group.task.metadata.get("eval_version", -1))

@@ -130,6 +130,22 @@ async def broadcast_pulls_upload(secured: Any, bus: S) -> None:
     await pull_one_and_ack(bus, spec("UPLOADS", "broadcast", subjects().weight_uploads(MODEL)))
 
 
+def draft() -> str:
+    from bus.subjects import draft_model_name
+
+    return draft_model_name(MODEL)
+
+
+async def speculator_pulls_scored(secured: Any, bus: S) -> None:
+    await feed(secured, subjects().scored("train"))
+    await pull_one_and_ack(bus, spec("SCORED", "speculator", subjects().scored("train")))
+
+
+async def broadcast_pulls_draft_upload(secured: Any, bus: S) -> None:
+    await feed(secured, subjects().weight_uploads(draft()))
+    await pull_one_and_ack(bus, spec("UPLOADS", "broadcast_draft", subjects().weight_uploads(draft())))
+
+
 def follows_advisories(kind: str, durable: str) -> Action:
     """Declare the advisory durable of (``kind``, ``durable``) and pull from it, as
     ``bus.advisories`` does for a connection that consumes that durable."""
@@ -283,6 +299,11 @@ ALLOWED: list[tuple[str, str, Action]] = [
     ("broadcast", "pull an upload and ack it", broadcast_pulls_upload),
     ("broadcast", "publish a weight version", pub(lambda: subjects().weights(MODEL))),
     ("broadcast", "collect unreachable claims", broadcast_collects_claims),
+    ("broadcast", "pull a draft upload and ack it", broadcast_pulls_draft_upload),
+    ("broadcast", "publish a draft version", pub(lambda: subjects().weights(draft()))),
+    ("speculator", "pull a scored group and ack it", speculator_pulls_scored),
+    ("speculator", "publish a draft upload", pub(lambda: subjects().weight_uploads(draft()))),
+    ("speculator", "put, get and delete an object", objects_round_trip),
     ("generator", "follow its own durable's advisories", follows_advisories("TASKS", "generator_train")),
     ("broadcast", "follow the uploads' advisories", follows_advisories("UPLOADS", "broadcast")),
     ("controller", "publish a control decision", pub(lambda: subjects().control_action("generator", "all", "pause"))),
@@ -321,6 +342,9 @@ FORBIDDEN: list[tuple[str, str, Action, str]] = [
     ("controller", "publish a training task", pub(lambda: subjects().tasks("train")), "publish"),
     ("broadcast", "publish control", pub(lambda: subjects().control_action("generator", "all", "pause")), "publish"),
     ("broadcast", "purge a stream", purge_scored, "publish"),
+    ("speculator", "publish a policy upload", pub(lambda: subjects().weight_uploads(MODEL)), "publish"),
+    ("speculator", "publish a draft version (only uploads)", pub(lambda: subjects().weights(draft())), "publish"),
+    ("trainer", "publish a draft upload", pub(lambda: subjects().weight_uploads(draft())), "publish"),
 ]
 
 

@@ -121,9 +121,9 @@ def _job(model_dir: Path, out: Path) -> None:
     """Every rank: shard the policy; rank 0 trains the batches and writes what it ends with."""
     from services.policy.load import load_policy
     from services.policy.logprobs import LogprobInputError
+    from services.policy.upload import weights_bytes
     from services.trainer import checkpoint
     from services.trainer.distributed import ShardedPolicy
-    from services.trainer.upload import weights_bytes
 
     torch.set_num_threads(1)
     cfg = TrainerSettings(**CFG)

@@ -1,7 +1,9 @@
 """weight-broadcast on the in-memory bus, against what a fuzz run sent it: an upload whose shard is
 missing or unaddressable is refused at once (DEAD on its first delivery, with the reason), not
 retried until max_deliver while real uploads wait behind it; a transient error is retried; a
-restart past an undecodable newest manifest resumes from the newest readable one."""
+restart past an undecodable newest manifest resumes from the newest readable one.  One broadcast
+serves the policy and its draft (``<model>-draft``): separate numbering, retention per model,
+held-out rounds pin only the policy."""
 
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ from typing import Any
 
 from bus.memory import MemoryBus
 from bus.protocol import ServerUnavailable
-from schemas import SchemaError, Shard, WeightManifest
+from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
+from schemas.metric_keys import DraftKeys
 from services.broadcast.service import Broadcaster, BroadcastService
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
@@ -159,3 +162,50 @@ async def test_a_generator_refuses_a_published_version_naming_an_unaddressable_o
         assert all(d.reason == "weights_refused" and "BadObjectName" in d.error for d in h.bus.dead_letters)
         assert h.metric("generator/weights_skipped") in (0, None)
         assert not h.task.done()  # type: ignore[union-attr]
+
+
+# --- one broadcast, two models: the policy and its draft ---------------------------------------------
+
+def draft_upload(version: int, location: str, sha256: str, model: str = "policy-draft") -> WeightManifest:
+    return WeightManifest(model=model, version=version, transport="objstore", state="uploaded", policy_version=version + 10,
+                          shards=[Shard(name="model.safetensors", sha256=sha256, size=1, location=location)])
+
+
+async def test_draft_uploads_are_announced_under_the_draft_name_with_their_own_numbering() -> None:
+    bus = MemoryBus(RUN, error_backoff=(0.5, 0.5))
+    async with broadcasting(bus) as service:
+        await send(bus, await real_upload(bus, 5))
+        for v in (1, 2):
+            info = await bus.objects.put(f"weights/policy-draft/v{v}/model.safetensors", b"draft %d" % v)
+            m = draft_upload(v, f"weights/policy-draft/v{v}/model.safetensors", info.sha256)
+            await bus.publish(bus.subjects.weight_uploads("policy-draft"), m.encode(), msg_id=m.msg_id)
+        # An upload naming another model on the draft's subject is refused at once.
+        wrong = draft_upload(3, "weights/policy-draft/v2/model.safetensors", info.sha256, model="policy")
+        await bus.publish(bus.subjects.weight_uploads("policy-draft"), wrong.encode(), msg_id="wrong")
+        drafts = lambda: [WeightManifest.decode(d) for s, d in bus.messages("WEIGHTS")  # noqa: E731
+                          if s == bus.subjects.weights("policy-draft")]
+        await eventually(lambda: len(drafts()) == 2 and published(bus) == [5] and len(bus.dead_letters) == 1)
+        metrics = service.beat.extra() if service.beat.extra else {}
+    assert [(m.version, m.policy_version, m.state) for m in drafts()] == [(1, 11, "published"), (2, 12, "published")]
+    assert "names model 'policy'" in bus.dead_letters[0].reason
+    # Two lanes, two numberings: the draft's versions 1, 2 were not "duplicates" of the policy's 5.
+    assert service.b.latest == 5 and service.draft.latest == 2
+    assert metrics["broadcast/latest"] == 5 and metrics["broadcast/draft/latest"] == 2
+
+
+def test_retention_is_per_model_and_only_the_policy_is_pinned_by_held_out_rounds() -> None:
+    cfg = BroadcastSettings(keep_versions=1, keep_eval_versions=2)
+    transport = ObjectStoreTransport(MemoryBus(RUN))
+    policy = Broadcaster(transport, cfg, model="policy")
+    draft = Broadcaster(transport, cfg, model="policy-draft", role="draft")
+    for b in (policy, draft):
+        for v in range(1, 6):
+            b.mark_published(upload(v, f"weights/x/v{v}", "0" * 64))
+    evaluate = Control(seq=1, decision=Evaluate(version=2, tasks=10), target_service="generator")
+    hb = Heartbeat(service="generator", instance="gen-0", seq=1, ts=time.time(), version=4,
+                   metrics={DraftKeys.VERSION: 3.0})
+    for b in (policy, draft):
+        b.note_evaluation(evaluate)
+        b.note_generator(hb)
+    assert policy.deletable() == [1, 3]  # 2 pinned by the held-out round, 4 in use, 5 the newest
+    assert draft.deletable() == [1, 2, 4]  # 3 in use as the generator's draft, 5 the newest; no pin

@@ -27,6 +27,7 @@ from services.runtime.config import (
     load_section,
     read_toml,
 )
+from services.speculator.settings import SpeculatorSettings
 from services.trainer.advantages import AdvantageConfig
 from services.trainer.objective import ObjectiveConfig
 from services.trainer.settings import TrainerSettings
@@ -53,6 +54,8 @@ FROZEN_KEYS: dict[type, list[str]] = {
     RewardSettings: ["instance", "batch", "concurrency", "format_weight", "sandbox"],
     EnvironmentSettings: ["instance", "episode_ttl_s", "max_episodes", "observation_chars", "sandbox"],
     BroadcastSettings: ["instance", "transport", "keep_versions", "keep_eval_versions", "in_use_ttl"],
+    SpeculatorSettings: ["instance", "draft_model_path", "batch_samples", "buffer_samples", "publish_every", "lr",
+                         "threads", "transport", "max_deliver"],
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
                          "refresh", "pool_mix", "route_period", "tau", "stall_after", "divergence"],
     DivergenceConfig: ["window", "reward_rise", "heldout_drop", "min_heldout", "min_steps", "z"],

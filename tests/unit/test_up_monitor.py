@@ -22,3 +22,19 @@ def test_one_reading_at_the_target_is_not_enough_the_mean_of_the_latest_rounds_i
     for version, acc in [(15, 0.9), (20, 0.91)]:
         _round(mon, version, acc)
     assert abs(mon.sustained_accuracy(3) - (0.905 + 0.9 + 0.91) / 3) < 1e-12
+
+
+def test_a_train_row_carries_the_speculators_metrics_and_the_stalest_draft(tmp_path: Path) -> None:
+    from schemas import Heartbeat
+    from schemas.metric_keys import DraftKeys, SpeculatorKeys
+
+    mon = Monitor(path=tmp_path / "metrics.jsonl", eval_size=200)
+    for gen, lag in (("gen-0", 1.0), ("gen-1", 4.0)):
+        mon.on_heartbeat(Heartbeat(service="generator", instance=gen, seq=1, ts=1.0, version=6,
+                                   metrics={DraftKeys.VERSION_LAG: lag}))
+    mon.on_heartbeat(Heartbeat(service="speculator", instance="speculator-0", seq=1, ts=1.0, version=6,
+                               metrics={SpeculatorKeys.PUBLISHED_VERSION: 3.0, SpeculatorKeys.LOSS: 1.25}))
+    row = mon.on_heartbeat(Heartbeat(service="trainer", instance="trainer-0", seq=1, ts=1.0, version=6,
+                                     metrics={"trainer/step": 6.0, "train/step_s": 0.1}))
+    assert row is not None and row[DraftKeys.VERSION_LAG] == 4.0
+    assert row[SpeculatorKeys.PUBLISHED_VERSION] == 3.0 and row[SpeculatorKeys.LOSS] == 1.25

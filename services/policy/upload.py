@@ -1,16 +1,20 @@
 """Weight hand-over: each new version's weights go to weight-broadcast, one version at a time.
 
-The weights are snapshotted when a step ends (the next step changes them), then written through
-the weight transport and announced on ``rl.<run>.uploads.<model>`` in the background,
-while the trainer already fills its next batch.  One upload runs at a time, in version order, so
-weight-broadcast never sees version N + 1 before N.  Each version is recorded in the run's
-``VersionBook`` before its bytes are written, so a restarted trainer never reuses its number.
+Shared by the two roles that make versions: the trainer (the policy) and the speculator (the
+draft model, under ``bus.subjects.draft_model_name``).  The weights are snapshotted when a step
+ends (the next step changes them), then written through the weight transport and announced on
+``rl.<run>.uploads.<model>`` in the background, while the caller already works on its next step.
+One upload runs at a time, in version order, so weight-broadcast never sees version N + 1 before
+N.  Each version is recorded in the caller's book (``VersionReserve``: the trainer's
+``VersionBook``) before its bytes are written, so a restarted role never reuses its number: a
+reused number would overwrite the bytes of the version it first named.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from typing import Protocol
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -21,7 +25,11 @@ from observability import tracing
 from schemas import TensorMeta, WeightManifest
 from schemas.weights import Transport
 from services.runtime.weights import WeightTransport
-from services.trainer.versions import VersionBook
+
+
+class VersionReserve(Protocol):
+    def reserve(self, version: int) -> None:
+        """Record ``version`` as handed out, durably, before its bytes or manifest leave."""
 
 
 def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
@@ -34,7 +42,7 @@ def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
 
 class Uploader:
     def __init__(self, bus: Bus, subjects: Subjects, transport: WeightTransport, model: torch.nn.Module, *,
-                 model_name: str, transport_kind: Transport, book: VersionBook) -> None:
+                 model_name: str, transport_kind: Transport, book: VersionReserve) -> None:
         self._bus = bus
         self._book = book  # the highest version handed out, durable before a version leaves
         self._subjects = subjects
@@ -45,30 +53,32 @@ class Uploader:
         self._in_flight: asyncio.Task[float] | None = None  # the upload of the newest version
         self.last_upload_s = 0.0  # how long the previous version's upload took
 
-    async def hand_over(self, version: int, step: int) -> None:
-        """Snapshot the weights as ``version`` now; upload them once the previous version is up."""
+    async def hand_over(self, version: int, step: int, *, policy_version: int = -1) -> None:
+        """Snapshot the weights as ``version`` now; upload them once the previous version is up.
+        ``policy_version``: for a draft, the policy version its samples came from (the manifest's)."""
         data, metas = await asyncio.to_thread(weights_bytes, self._model)
         if self._in_flight is not None:
             self.last_upload_s = await self._in_flight
-        self._in_flight = asyncio.create_task(self._upload(version, data, metas, step))
+        self._in_flight = asyncio.create_task(self._upload(version, data, metas, step, policy_version))
 
     async def finish(self) -> None:
         """Wait for the upload in flight (a graceful stop hands over what it trained)."""
         if self._in_flight is not None:
             await self._in_flight
 
-    async def _upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int) -> float:
+    async def _upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int, policy_version: int) -> float:
         # A short trace of its own (upload -> broadcast's verification -> manifest), not the step's.
         with tracing.root_span(f"weights upload v{version}", **{tracing.POLICY_VERSION: version, tracing.STEP: step}):
-            return await self._traced_upload(version, data, metas, step)
+            return await self._traced_upload(version, data, metas, step, policy_version)
 
-    async def _traced_upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int) -> float:
+    async def _traced_upload(self, version: int, data: bytes, metas: list[TensorMeta], step: int,
+                             policy_version: int) -> float:
         t0 = time.perf_counter()
         await asyncio.to_thread(self._book.reserve, version)
         shard = await self._transport.write(f"weights/{self._model_name}/v{version:08d}/model.safetensors", data)
         manifest = WeightManifest(model=self._model_name, version=version, transport=self._transport_kind,
                                   shards=[shard], tensors=metas, trainer_step=step, created_at=time.time(),
-                                  state="uploaded")
+                                  state="uploaded", policy_version=policy_version)
         await self._bus.publish(self._subjects.weight_uploads(self._model_name), manifest.encode(),
                                 msg_id=manifest.msg_id)
         return time.perf_counter() - t0
