@@ -77,6 +77,13 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--target", type=float, default=0.30, help="held-out accuracy at which the warm start stops")
     init.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
+
+    draft = sub.add_parser("init-draft", help="build a draft model (the policy's first layers) for "
+                                              "[generator.speculative] drafter = \"model\" or \"static\"")
+    draft.add_argument("--policy", required=True, help="the policy's Hugging Face folder")
+    draft.add_argument("--out", required=True, help="the draft's folder")
+    draft.add_argument("--layers", type=int, default=1, help="decoder layers kept (fewer draft faster, accept less)")
+    draft.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
     return p
 
 
@@ -122,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return init_model_cmd(args.out or f"models/tiny-{args.task}", seed=args.seed, target=args.target,
                               overwrite=args.overwrite, task=args.task)
+    if args.cmd == "init-draft":
+        from services.commands.init_model import init_draft_cmd
+
+        return init_draft_cmd(args.policy, args.out, layers=args.layers, overwrite=args.overwrite)
     return 2
 
 

@@ -23,3 +23,29 @@ def init_model_cmd(out: str, *, seed: int, target: float, overwrite: bool = Fals
         return 2
     print(json.dumps(info))
     return 0
+
+
+def init_draft_cmd(policy: str, out: str, *, layers: int, overwrite: bool = False) -> int:
+    """``rlbus init-draft``: a draft model for drafter "model" / "static": the policy's first
+    ``layers`` decoder layers, embeddings, norm and head (services/policy/draft_model.py)."""
+    import sys
+
+    import torch
+
+    from services.policy.draft_model import DraftModelError, build_draft, save_draft
+    from services.policy.load import load_policy
+
+    torch.set_num_threads(1)
+    if (Path(out) / "config.json").exists() and not overwrite:
+        print(f"rlbus init-draft: {out} already holds a model: pass --overwrite to replace it", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer = load_policy(policy)
+        draft = build_draft(model, layers=layers)
+    except (DraftModelError, OSError, ValueError) as exc:
+        print(f"rlbus init-draft: {exc}", file=sys.stderr)
+        return 2
+    save_draft(draft, tokenizer, out)
+    print(json.dumps({"draft": out, "policy": policy, "layers": layers,
+                      "policy_layers": model.config.num_hidden_layers}))
+    return 0

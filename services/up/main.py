@@ -78,6 +78,19 @@ def ensure_model(path: Path, up_cfg: UpSettings) -> None:
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def ensure_draft(data: dict[str, Any], policy: Path, folder: Path) -> None:
+    """drafter "model" / "static" without a draft_model_path: build one from the policy into the
+    run folder (its first decoder layer; `rlbus init-draft` builds others) and point the config at it."""
+    spec = data.get("generator", {}).get("speculative", {})
+    if spec.get("drafter") not in ("model", "static") or spec.get("draft_model_path"):
+        return
+    out = folder / "draft"
+    if not (out / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "services.cli", "init-draft", "--policy", str(policy), "--out", str(out)],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    data.setdefault("generator", {}).setdefault("speculative", {})["draft_model_path"] = str(out)
+
+
 def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
     train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
     sampling: dict[str, object] = {"max_new_tokens": up_cfg.turn_tokens}
@@ -183,6 +196,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
     folder.mkdir(parents=True, exist_ok=True)
     try:
         ensure_model(Path(run_cfg.model_path), up_cfg)
+        ensure_draft(data, Path(run_cfg.model_path), folder)
     except ConfigError as exc:
         print(f"rlbus up: {exc}", file=sys.stderr)
         return 2
