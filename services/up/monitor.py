@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from schemas import Heartbeat, ScoredGroup
-from schemas.metric_keys import DraftKeys
+from schemas.metric_keys import DraftKeys, SpeculativeKeys
+
+# The speculative tail's per-call figures a train row carries (report.png plots them).
+DRAFTING_KEYS = (SpeculativeKeys.ACCEPTANCE_RATE, SpeculativeKeys.TOKENS_PER_FORWARD, SpeculativeKeys.MEAN_ACCEPTED_LEN,
+                 SpeculativeKeys.DRAFT_S, SpeculativeKeys.VERIFY_S)
 
 
 def load_metrics(path: Path) -> list[dict[str, Any]]:
@@ -83,6 +87,11 @@ class Monitor:
                 if DraftKeys.VERSION_LAG in g.metrics]
         if lags:
             out[DraftKeys.VERSION_LAG] = max(lags)
+        # Any drafter: what the generators' latest tails did, averaged over the generators that drafted.
+        for key in DRAFTING_KEYS:
+            values = [g.metrics[key] for g in self.generators.values() if key in g.metrics]
+            if values:
+                out[key] = sum(values) / len(values)
         return out
 
     def on_eval(self, group: ScoredGroup) -> dict[str, Any] | None:

@@ -1,9 +1,13 @@
-"""report.png: reward, held-out accuracy, mismatch, throughput and staleness over time."""
+"""report.png: reward, held-out accuracy, mismatch, throughput and staleness over time; with a
+drafter on, a third row: acceptance and tokens per target forward, the draft's version lag, and
+seconds drafting vs verifying."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from schemas.metric_keys import DraftKeys, SpeculativeKeys, SpeculatorKeys
 from services.up.monitor import load_metrics
 
 
@@ -19,7 +23,8 @@ def write_report(metrics_path: Path, out: Path) -> Path | None:
     if not train:
         return None
     t = [r["t"] for r in train]
-    fig, ax = plt.subplots(2, 3, figsize=(15, 8))
+    drafting = any(SpeculativeKeys.ACCEPTANCE_RATE in r for r in train)
+    fig, ax = plt.subplots(3 if drafting else 2, 3, figsize=(15, 12 if drafting else 8))
     ax[0, 0].plot(t, [r.get("batch/reward_mean", 0) for r in train], label="batch reward (trained groups)")
     ax[0, 0].set_title("reward")
     ax[0, 1].plot([r["t"] for r in evals], [r["heldout/accuracy"] for r in evals], "o-", color="C2")
@@ -38,6 +43,8 @@ def write_report(metrics_path: Path, out: Path) -> Path | None:
     ax[1, 1].legend()
     ax[1, 2].plot(t, [r.get("trainer/idle_fraction", 0) for r in train])
     ax[1, 2].set_title("trainer idle fraction (cumulative)")
+    if drafting:
+        _drafting_row(ax[2], t, train)
     for a in ax.flat:
         a.set_xlabel("seconds")
         a.grid(alpha=0.3)
@@ -45,3 +52,18 @@ def write_report(metrics_path: Path, out: Path) -> Path | None:
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def _drafting_row(ax: Any, t: list[float], train: list[dict[str, Any]]) -> None:
+    ax[0].plot(t, [r.get(SpeculativeKeys.ACCEPTANCE_RATE, 0) for r in train], label="acceptance rate")
+    ax[0].plot(t, [r.get(SpeculativeKeys.TOKENS_PER_FORWARD, 0) for r in train], label="tokens / target forward")
+    ax[0].set_title("speculative tail (latest call)")
+    ax[0].legend()
+    ax[1].plot(t, [r.get(DraftKeys.VERSION_LAG, 0) for r in train], label="in the generators (stalest)")
+    ax[1].plot(t, [r.get(SpeculatorKeys.POLICY_VERSION_LAG, 0) for r in train], label="speculator's newest")
+    ax[1].set_title("draft version lag behind the policy (versions)")
+    ax[1].legend()
+    ax[2].plot(t, [r.get(SpeculativeKeys.DRAFT_S, 0) for r in train], label="drafting")
+    ax[2].plot(t, [r.get(SpeculativeKeys.VERIFY_S, 0) for r in train], label="verifying")
+    ax[2].set_title("seconds per tail (latest call)")
+    ax[2].legend()

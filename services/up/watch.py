@@ -16,6 +16,7 @@ from typing import Any
 from bus import BusError
 from observability.tracing import task_traces
 from schemas import Heartbeat, SchemaError, ScoredGroup, Task
+from schemas.metric_keys import DraftKeys, SpeculativeKeys
 from services.runtime.config import RunSettings
 from services.up.monitor import Monitor
 from services.up.procs import Children
@@ -27,7 +28,17 @@ def _line(row: dict[str, Any], mon: Monitor) -> str:
     return (f"step {row['step']:4d}  v{row['version']:<4d} reward {row.get('batch/reward_mean', 0):.3f}  "
             f"held-out {acc if acc is not None else float('nan'):.3f}  tok/s {mon.tokens_per_s:7.0f}  "
             f"stale {row.get('staleness/mean', 0):.2f}/{row.get('staleness/max', 0):.0f}  "
-            f"k3 {row.get('mismatch/k3_kl', 0):.2e}  idle {row.get('trainer/idle_fraction', 0):.2f}")
+            f"k3 {row.get('mismatch/k3_kl', 0):.2e}  idle {row.get('trainer/idle_fraction', 0):.2f}"
+            + _drafting(row))
+
+
+def _drafting(row: dict[str, Any]) -> str:
+    """With a drafter on: the latest tail's acceptance and tokens per target forward, and the draft's lag."""
+    if SpeculativeKeys.ACCEPTANCE_RATE not in row:
+        return ""
+    lag = f" lag {row[DraftKeys.VERSION_LAG]:.0f}" if DraftKeys.VERSION_LAG in row else ""
+    return (f"  draft acc {row[SpeculativeKeys.ACCEPTANCE_RATE]:.2f} "
+            f"tok/fwd {row.get(SpeculativeKeys.TOKENS_PER_FORWARD, 0):.2f}{lag}")
 
 
 FEED_CHUNK = 2048

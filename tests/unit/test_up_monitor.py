@@ -38,3 +38,25 @@ def test_a_train_row_carries_the_speculators_metrics_and_the_stalest_draft(tmp_p
                                      metrics={"trainer/step": 6.0, "train/step_s": 0.1}))
     assert row is not None and row[DraftKeys.VERSION_LAG] == 4.0
     assert row[SpeculatorKeys.PUBLISHED_VERSION] == 3.0 and row[SpeculatorKeys.LOSS] == 1.25
+
+
+def test_with_a_drafter_the_rows_the_live_line_and_report_png_show_the_tail(tmp_path: Path) -> None:
+    from schemas import Heartbeat
+    from schemas.metric_keys import DraftKeys, SpeculativeKeys
+    from services.up.report import write_report
+    from services.up.watch import _line
+
+    mon = Monitor(path=tmp_path / "metrics.jsonl", eval_size=200)
+    for gen, rate in (("gen-0", 0.2), ("gen-1", 0.4)):
+        mon.on_heartbeat(Heartbeat(service="generator", instance=gen, seq=1, ts=1.0, version=3,
+                                   metrics={SpeculativeKeys.ACCEPTANCE_RATE: rate, SpeculativeKeys.TOKENS_PER_FORWARD: 1.5,
+                                            DraftKeys.VERSION_LAG: 2.0}))
+    rows = [mon.on_heartbeat(Heartbeat(service="trainer", instance="trainer-0", seq=s, ts=1.0, version=s,
+                                       metrics={"trainer/step": float(s), "train/step_s": 0.1})) for s in (1, 2)]
+    row = rows[-1]
+    assert row is not None and abs(row[SpeculativeKeys.ACCEPTANCE_RATE] - 0.3) < 1e-12  # over the generators
+    assert "draft acc 0.30 tok/fwd 1.50 lag 2" in _line(row, mon)
+    plain = {"step": 1, "version": 1}
+    assert "draft" not in _line(plain, mon)
+    assert write_report(tmp_path / "metrics.jsonl", tmp_path / "report.png") is not None
+    assert (tmp_path / "report.png").stat().st_size > 0
