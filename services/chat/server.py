@@ -36,6 +36,7 @@ from schemas import SamplingParams as WireSampling
 from services.chat.episodes import ChatEpisode, EpisodeBook, TaskRef
 from services.chat.errors import ChatError, Conflict, NotFound, PolicyOutputError
 from services.chat.stitch import Conversation, check_fits
+from services.chat.stream import completion_chunks, streaming
 from services.chat.template import ChatTemplate, normalise, parse_tool_calls
 from services.runtime.lifecycle import Lifecycle
 
@@ -113,9 +114,11 @@ class ChatEndpoint:
             raise ChatError("the request body must be a JSON object", code="invalid_json")
         return body
 
-    async def _answer(self, call: Any) -> web.Response:
+    async def _answer(self, call: Any, render: Any = None) -> web.StreamResponse:
         try:
             body, headers = await call()
+            if render is not None:
+                return await render(body, headers)
             return web.json_response(body, headers=headers)
         except ChatError as exc:
             self.refused += 1
@@ -126,10 +129,34 @@ class ChatEndpoint:
                               "param": None, "code": "internal_error"}}
             return web.json_response(body, status=500)
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        asked: dict[str, Any] = {}
+
         async def call() -> tuple[dict[str, Any], dict[str, str]]:
-            return await self.complete(await self._json(request), request.headers)
-        return await self._answer(call)
+            body = await self._json(request)
+            asked.update(streaming(body))
+            return await self.complete(body, request.headers)
+
+        async def render(body: dict[str, Any], headers: dict[str, str]) -> web.StreamResponse:
+            if not asked.get("stream"):
+                return web.json_response(body, headers=headers)
+            return await self._stream(request, body, headers, include_usage=asked["include_usage"])
+
+        return await self._answer(call, render)
+
+    async def _stream(self, request: web.Request, completion: dict[str, Any], headers: dict[str, str], *,
+                      include_usage: bool) -> web.StreamResponse:
+        """The completion as server-sent chat.completion.chunk events.  The turn is sampled whole
+        first (the episode's tokens are recorded as for a plain request), so the events arrive
+        together at its end: clients that stream work unchanged, but see no earlier first token."""
+        response = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in completion_chunks(completion, include_usage=include_usage):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     async def _end(self, request: web.Request) -> web.Response:
         async def call() -> tuple[dict[str, Any], dict[str, str]]:
@@ -147,9 +174,6 @@ class ChatEndpoint:
         if body.get("model") != self.model:
             raise NotFound(f"model {body.get('model')!r} is not served here: this endpoint serves {self.model!r}",
                            code="model_not_found", param="model")
-        if body.get("stream"):
-            raise ChatError("streaming is not supported by this endpoint: send stream=false", code="unsupported",
-                            param="stream")
         if body.get("n", 1) != 1:
             raise ChatError("'n' must be 1: an episode is one conversation (run n episodes for n samples)",
                             code="unsupported", param="n")

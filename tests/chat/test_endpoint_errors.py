@@ -163,3 +163,32 @@ async def test_a_turn_samples_under_the_generator_model_lock(served: Served) -> 
     finally:
         s.endpoint.model_lock.release()
     assert (await turn).parse().choices[0].message.content == "The answer is 3."
+
+
+async def test_a_streaming_client_gets_the_turn_as_chunks_and_the_episode_records_it(served: Served) -> None:
+    """`stream=True` (what many agent loops send): the openai client assembles the same content,
+    tool call and finish reason from the chunks, the usage comes last when asked for, the episode
+    header comes with the stream, and the episode records the turn as for a plain request."""
+    s = served
+    s.backend.script.append((CALL, True))
+    raw = await s.client.chat.completions.with_raw_response.create(
+        model="policy", messages=[USER], tools=[CALCULATOR_TOOL], stream=True, stream_options={"include_usage": True})
+    episode_id = raw.headers[EPISODE_HEADER]
+    chunks = [c async for c in raw.parse()]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert content == "" and finish == ["tool_calls"]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("calculator", {"expression": "1 + 2"})]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(s.backend.tokenizer.encode(CALL)) + 1
+    assert s.endpoint.book.open[episode_id].turns == 1  # recorded, as a plain request's turn is
+    s.backend.script.append(("The answer is 3.", True))
+    stream = await s.client.chat.completions.create(
+        model="policy", stream=True, tools=[CALCULATOR_TOOL], extra_headers={EPISODE_HEADER: episode_id},
+        messages=[USER, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": calls[0].id, "type": "function", "function": {"name": "calculator", "arguments": calls[0].function.arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].id, "content": "3"}])
+    assert "".join([c.choices[0].delta.content or "" async for c in stream]) == "The answer is 3."
+    assert s.endpoint.book.open[episode_id].turns == 2
+    with pytest.raises(openai.BadRequestError, match="only allowed with stream=true"):
+        await s.client.chat.completions.create(model="policy", messages=[USER], stream_options={"include_usage": True})
