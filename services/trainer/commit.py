@@ -196,6 +196,43 @@ class Committer:
             else:
                 await settle(d)
 
+    @property
+    def held_drops(self) -> int:
+        """Dropped groups recorded with a step and still held for the checkpoints to cover them."""
+        return sum(_settles_alone(d) for d in (*self.unacked, *self.covered))
+
+    async def settle_drops(self) -> int:
+        """Settle the drops recorded with steps now, rather than two checkpoints later; returns how
+        many.  Call it between steps.
+
+        Why: the durable's ``max_ack_pending`` is sized for the trained groups of two checkpoint
+        intervals (``intake.consumer_spec``), but every step also records the groups dropped while
+        its batch filled, and when most groups are dropped (a task the policy has nearly solved:
+        whole groups of reward 1) those fill it: the server stops delivering, no batch fills, so no
+        step and no checkpoint comes to ack anything, and the trainer waits forever (seen in a
+        729-step run, 1,367 groups held at a limit of 1,408).  A ledger-only save gives their
+        entries to the newest checkpoint and to its fallback (``checkpoint.save_ledger``), after
+        which they may be settled at once; before two checkpoints exist, a full checkpoint."""
+        drops = [d for d in (*self.unacked, *self.covered) if _settles_alone(d)]
+        if not drops:
+            return 0
+        kept = await asyncio.to_thread(checkpoint.checkpoints, self._dir)
+        if len(kept) < checkpoint.KEEP_AT_LEAST:
+            before = self.held
+            await self.commit()  # settles what the checkpoint before it covered
+            return before - self.held
+        self.state.counters = self._counters.record()
+        both = await asyncio.to_thread(checkpoint.save_ledger, self._dir, self._model, self._optimizer, self.state,
+                                       keep=self._keep, dropped=ledger_entries(drops))
+        if not both:
+            return 0
+        settled = {id(d) for d in drops}
+        self.unacked = [d for d in self.unacked if id(d) not in settled]
+        self.covered = [d for d in self.covered if id(d) not in settled]
+        for d in drops:
+            await settle(d)
+        return len(drops)
+
     async def finish(self) -> None:
         """A clean end (graceful stop, ``max_steps`` reached): no next checkpoint will come, so
         checkpoint what is not yet, read the newest back from the disk, and settle everything it
@@ -218,3 +255,8 @@ class Committer:
         for d in now:
             await settle(d)
         log.info("final_checkpoint_verified", checkpoint=str(folder), settled=len(now))
+
+
+def _settles_alone(d: GroupDecision) -> bool:
+    """A dropped group (not a duplicate, whose ack is its original's): a ledger-only save covers it."""
+    return d.reason not in ("train", "duplicate")

@@ -221,6 +221,8 @@ class TrainerLoop:
         self.counters.rollouts_stale_total = self.assembler.rollouts_stale
         await self.uploader.hand_over(self.committer.version, self.committer.step)
         ckpt_s = await self.committer.commit() if self.committer.checkpoint_due else 0.0
+        if self.committer.held_drops >= self.assembler.batch_groups:  # bounded: see Committer.settle_drops
+            await self.committer.settle_drops()
         # Groups held for the next batch may have aged past the bound with this version.
         self.counters.groups_dropped_total += len(self.assembler.requeue_stale(self.committer.version))
         self.counters.busy_s += time.perf_counter() - t_busy
