@@ -35,7 +35,8 @@ def consumer_spec(run_cfg: RunSettings, cfg: TrainerSettings, subjects: Subjects
     pools = [p for p in run_cfg.pools if p != run_cfg.eval_pool]
     window = run_cfg.admission_window_groups
     # Held un-acked: up to two checkpoints' worth of batches (acks lag one checkpoint, commit.py)
-    # plus what waits for the next batch.
+    # plus what waits for the next batch; groups dropped meanwhile are settled a batch's worth at a
+    # time (Committer.settle_drops, commit_dropped), so the drop rate does not scale this.
     held_steps = 2 * cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2
     max_ack_pending = held_steps * run_cfg.batch_groups + 512
     # SCORED drops its oldest groups at its limit (bus.retention): only groups acked long ago may
