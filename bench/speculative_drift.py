@@ -8,8 +8,10 @@ writes mostly <eos> ids with a scattered digit. v1 = v0 after `--drift-steps` op
 supervised training on v0's own completions whose post-answer tokens are replaced by a count
 (the digit after the answer's last digit, then the next, mod 10); only those post-answer tokens
 carry loss, so the answer stays v0's and what comes after it moves, as an RL update moves the
-distribution where the reward does not pin it. The report says how far it moved: mean KL(v1 || v0)
-per token after and within the answer, on v1's samples of the stream's prompts.
+distribution where the reward does not pin it (measured: the steps also move the answer, since
+the layers are shared). The report says how far it moved: mean KL(v1 || v0) per token within the
+first 4 completion tokens (v0's answer and its <eos>) and after them, on v1's samples of the
+stream's prompts; the static draft's acceptance before vs after the shift says it too.
 
 Stream: `--batches` held-out prompts, one batch each; the first half is sampled from v0, the
 second from v1 (the shift). Every batch, every mode (interleaved, so load drifts hit all alike):
