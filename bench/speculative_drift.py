@@ -7,9 +7,8 @@ the 9-token prompts (the issue asks for >= 64; this model cannot hold that). v0 
 writes mostly <eos> ids with a scattered digit. v1 = v0 after `--drift-steps` optimiser steps of
 supervised training on v0's own completions whose post-answer tokens are replaced by a count
 (the digit after the answer's last digit, then the next, mod 10); only those post-answer tokens
-carry loss, so the answer stays v0's and what comes after it moves, as an RL update moves the
-distribution where the reward does not pin it (measured: the steps also move the answer, since
-the layers are shared). The report says how far it moved: mean KL(v1 || v0) per token within the
+carry loss, meant to move what comes after the answer, as an RL update moves the distribution
+where the reward does not pin it (measured: the answer moves too, the layers being shared). The report says how far it moved: mean KL(v1 || v0) per token within the
 first 4 completion tokens (v0's answer and its <eos>) and after them, on v1's samples of the
 stream's prompts; the static draft's acceptance before vs after the shift says it too.
 
@@ -26,7 +25,8 @@ frozen); online (the same start, then `--online-steps` DraftDistiller steps afte
 window of the stream's latest `--online-window` samples, the overall calls' own rows; each new
 version staged into the tail's WeightSlot and swapped in before the next drafting round, as
 weight-broadcast would deliver it; in the real system the `speculator` role runs these steps off
-the generator, so their time is reported apart and not in wall); group. "online + group" is not
+the generator, so their time is reported apart and not in wall); group; the two drafts at fixed k;
+an A/A control (MODES says why). "online + group" is not
 built: a Speculation drafts from exactly one drafter (spec_tail.py builds no group drafters when
 a draft model is set) and combining them needs a change in services/policy/.
 
