@@ -284,6 +284,11 @@ class Speculation:
 
     def begin_call(self) -> None:
         self.last_call = TailStats()
+        # A staged draft also goes in at every call's start, as the policy's does: calls that form
+        # no tail (most of them, on short answers) would otherwise leave the draft in use, and the
+        # lag the generator reports, as old as the last call that drafted.
+        if isinstance(self.draft, WeightSlot) and self.draft.maybe_swap():
+            self.last_call.draft_swaps += 1
         for length in self.lengths.values():
             if length.k(1) == 0:
                 # Switched off, so no round measures it: let it drift back to the prior, so it

@@ -194,6 +194,15 @@ def test_backend_builds_the_draft_from_settings(tiny_model: Path, draft_dir: Pat
     draft = backend.speculation.draft.model
     backend.stage_draft(3, save_safetensors({k: v.clone() for k, v in draft.state_dict().items()}))
     assert backend.speculation.draft.maybe_swap() and backend.speculation.draft.version == 3
+    # A call that drafts nothing (one token each: no room for a draft) still takes a staged draft
+    # in at its start: the draft in use never waits for the next call that drafts.
+    backend.stage_draft(4, save_safetensors({k: v.clone() for k, v in draft.state_dict().items()}))
+
+    class Greedy:
+        temperature, top_p, max_new_tokens = 0.0, 1.0, 1
+
+    backend.sample([encode_prompt(backend.tokenizer, "7+95=")], 2, Greedy(), [], seed=1)
+    assert backend.draft_version == 4
 
 
 def _acceptance(model, draft, prompts, params, seed: int) -> float:
