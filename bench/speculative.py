@@ -133,19 +133,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def draft_options(parser: argparse.ArgumentParser) -> None:
+    """The options `distilled_draft` and the drafting modes read, shared by the speculative benches."""
     parser.add_argument("--model", default=None, help="policy folder (default: the tests' tiny model)")
-    parser.add_argument("--calls", type=int, default=16, help="held-out prompts (one call each) per repeat")
     parser.add_argument("--draft-layers", type=int, default=1)
     parser.add_argument("--distill-prompts", type=int, default=64)
     parser.add_argument("--distill-steps", type=int, default=100)
     parser.add_argument("--max-k", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    draft_options(parser)
+    parser.add_argument("--calls", type=int, default=16, help="held-out prompts (one call each) per repeat")
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--fixed-k", action=argparse.BooleanOptionalAction, default=True,
                         help="also the draft models at k = max_k every round (what they could accept, at what cost)")
     print(json.dumps(run(parser.parse_args()), indent=1))

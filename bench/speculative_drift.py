@@ -58,7 +58,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.speculative import distilled_draft  # noqa: E402
+from bench.speculative import distilled_draft, draft_options  # noqa: E402
 from bench.speculative_accept import _model  # noqa: E402
 from services.policy.distill import DraftDistiller, PolicySample  # noqa: E402
 from services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
@@ -361,23 +361,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="policy folder (default: the tests' tiny model)")
+    draft_options(parser)
     parser.add_argument("--batches", type=int, default=32, help="stream batches (one held-out prompt each)")
-    parser.add_argument("--draft-layers", type=int, default=1)
-    parser.add_argument("--distill-prompts", type=int, default=64)
-    parser.add_argument("--distill-steps", type=int, default=100)
     parser.add_argument("--drift-prompts", type=int, default=32, help="train prompts (x 8 samples) v1 is trained on")
     parser.add_argument("--drift-steps", type=int, default=20)
     parser.add_argument("--drift-lr", type=float, default=1e-3)
     parser.add_argument("--online-steps", type=int, default=8, help="distillation steps per batch")
     parser.add_argument("--online-window", type=int, default=64, help="latest stream samples distilled on")
     parser.add_argument("--online-lr", type=float, default=1e-3)
-    parser.add_argument("--max-k", type=int, default=4)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=55, help="the context (64) less the 9-token prompt")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
     print(json.dumps(run(parser.parse_args()), indent=1))
 
 
