@@ -5,16 +5,16 @@ draft model, under ``bus.subjects.draft_model_name``).  The weights are snapshot
 ends (the next step changes them), then written through the weight transport and announced on
 ``rl.<run>.uploads.<model>`` in the background, while the caller already works on its next step.
 One upload runs at a time, in version order, so weight-broadcast never sees version N + 1 before
-N.  Each version is recorded in the caller's book (``VersionReserve``: the trainer's
-``VersionBook``) before its bytes are written, so a restarted role never reuses its number: a
-reused number would overwrite the bytes of the version it first named.
+N.  Each version is recorded in the caller's book (``services.runtime.files.NumberBook``: the
+trainer's ``VersionBook``, the speculator's ``DraftBook``) before its bytes are written, so a
+restarted role never reuses its number: a reused number would overwrite the bytes of the version
+it first named.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Protocol
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -24,12 +24,8 @@ from bus.subjects import Subjects
 from observability import tracing
 from schemas import TensorMeta, WeightManifest
 from schemas.weights import Transport
+from services.runtime.files import NumberBook
 from services.runtime.weights import WeightTransport
-
-
-class VersionReserve(Protocol):
-    def reserve(self, version: int) -> None:
-        """Record ``version`` as handed out, durably, before its bytes or manifest leave."""
 
 
 def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
@@ -42,7 +38,7 @@ def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:
 
 class Uploader:
     def __init__(self, bus: Bus, subjects: Subjects, transport: WeightTransport, model: torch.nn.Module, *,
-                 model_name: str, transport_kind: Transport, book: VersionReserve) -> None:
+                 model_name: str, transport_kind: Transport, book: NumberBook) -> None:
         self._bus = bus
         self._book = book  # the highest version handed out, durable before a version leaves
         self._subjects = subjects

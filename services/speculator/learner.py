@@ -23,7 +23,7 @@ import numpy as np
 from schemas import ScoredGroup
 from schemas.metric_keys import SpeculatorKeys
 from services.policy.distill import DistillInputError, DraftDistiller, PolicySample
-from services.runtime.files import replace_file
+from services.runtime.files import NumberBook
 
 BOOK_FILE = "draft_versions.json"
 
@@ -73,17 +73,12 @@ class SampleBuffer:
         return [s for s, _ in taken], max((v for _, v in taken), default=-1)
 
 
-class DraftBook:
-    """The highest draft version number handed out, in ``<run_dir>/speculator/draft_versions.json``.
-
-    Why: a number names one set of draft weights forever.  A restarted speculator whose previous
-    upload was still in flight must not reuse that number, or its bytes would overwrite the
-    version's file (file transport) under a manifest whose digest no longer matches.  Written
-    (fsynced, renamed) before a version's bytes leave, as the trainer's ``VersionBook`` is."""
+class DraftBook(NumberBook):
+    """The highest draft version number handed out, in ``<run_dir>/speculator/draft_versions.json``
+    (a restarted speculator whose previous upload was still in flight must not reuse it)."""
 
     def __init__(self, root: Path) -> None:
-        self.path = root / BOOK_FILE
-        self.highest = 0
+        super().__init__(root / BOOK_FILE)
         if self.path.exists():
             try:
                 self.highest = int(json.loads(self.path.read_text())["highest"])
@@ -91,12 +86,6 @@ class DraftBook:
                 raise DistillInputError(
                     f"{self.path} is unreadable ({exc!r}): it records the highest draft version handed out. "
                     "Move it aside to continue: the speculator then numbers on from the newest published draft") from None
-
-    def reserve(self, version: int) -> None:
-        if version > self.highest:
-            self.highest = version
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            replace_file(self.path, json.dumps({"highest": self.highest}).encode())
 
 
 @dataclass

@@ -25,11 +25,12 @@ import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from schemas import Rollout
-from services.runtime.files import replace_file
+from services.runtime.files import NumberBook
 from services.trainer.errors import TrainerError
 
 BOOK_FILE = "versions.json"
@@ -88,15 +89,14 @@ class Lineage:
         return max(self.distance(current, int(v)) for v in set(versions.tolist()))
 
 
-class VersionBook:
+class VersionBook(NumberBook):
     """The highest version number handed out and the run's forks, in ``<checkpoints>/versions.json``.
 
     Rewritten whole (it holds one fork per restart) through a temporary file, fsynced and renamed,
     so it is always complete.  Only the trainer (rank 0) writes it."""
 
     def __init__(self, root: Path, highest: int = 0, lineage: Lineage | None = None) -> None:
-        self.path = root / BOOK_FILE
-        self.highest = highest
+        super().__init__(root / BOOK_FILE, highest)
         self.lineage = lineage or Lineage()
 
     @classmethod
@@ -115,19 +115,11 @@ class VersionBook:
                 "then takes the versions from the bus, and samples of lineages lost before are measured as if "
                 "they descended in a line") from None
 
-    def reserve(self, version: int) -> None:
-        """Record ``version`` as handed out (durable on return); call before it leaves the trainer."""
-        if version > self.highest:
-            self.highest = version
-            self._write()
-
     def fork(self, new: int, parent: int) -> None:
         """The trainer restarts from the checkpoint of version ``parent`` as version ``new``."""
         self.lineage = self.lineage.with_fork(new, parent)
         self.highest = max(self.highest, new)
         self._write()
 
-    def _write(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        replace_file(self.path, json.dumps({"highest": self.highest,
-                                            "forks": [list(f) for f in self.lineage.forks]}).encode())
+    def record(self) -> dict[str, Any]:
+        return {**super().record(), "forks": [list(f) for f in self.lineage.forks]}
