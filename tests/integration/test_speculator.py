@@ -5,7 +5,6 @@ were distilled on."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +17,11 @@ from schemas import ScoredGroup, WeightManifest
 from services.policy.draft_model import build_draft, save_draft
 from services.policy.tokenizer import build_char_tokenizer
 from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from services.runtime.lifecycle import Lifecycle
 from services.speculator.service import SpeculatorService
 from services.speculator.settings import SpeculatorSettings
 from tests.integration.helpers import broadcast_running, dead_letters, eventually
+from tests.running import workers_running
 from tests.unit.conftest import fresh_model
 from tests.unit.test_speculator import group
 
@@ -46,12 +46,8 @@ async def test_the_speculator_distils_from_its_own_durable_and_broadcast_announc
         service = await SpeculatorService.build(RunSettings(run=run_name, run_dir=str(tmp_path)), cfg, bus=bus,
                                                 life=life)
         await service.resume()
-        task = asyncio.create_task(run_until_stopped(life, *service.workers()))
-        try:
+        async with workers_running(life, service, timeout=30):
             await eventually(lambda: broadcast.draft.latest == 1, timeout=60)
-        finally:
-            life.shutdown()
-            await asyncio.wait_for(task, 30)
     manifest = WeightManifest.decode(await bus.last(s.weights(draft_model_name("policy"))))
     assert (manifest.version, manifest.policy_version, manifest.state) == (1, 3, "published")
     assert await bus.last(s.weights("policy")) is None  # the policy's lane saw nothing

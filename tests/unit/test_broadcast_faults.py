@@ -21,8 +21,9 @@ from schemas.metric_keys import DraftKeys
 from services.broadcast.service import Broadcaster, BroadcastService
 from services.broadcast.settings import BroadcastSettings
 from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from services.runtime.lifecycle import Lifecycle
 from services.runtime.weights import ObjectStoreTransport
+from tests.running import workers_running
 
 RUN = "r"
 
@@ -72,12 +73,8 @@ async def broadcasting(bus: MemoryBus, transport: Any = None):  # type: ignore[n
     service = BroadcastService(RunSettings(run=RUN), cfg, bus=bus, life=life,
                                broadcaster=Broadcaster(transport or ObjectStoreTransport(bus), cfg))
     await service.resume()
-    task = asyncio.create_task(run_until_stopped(life, *service.workers()))
-    try:
+    async with workers_running(life, service, timeout=20):
         yield service
-    finally:
-        life.shutdown()
-        await asyncio.wait_for(task, 20)
 
 
 async def send(bus: MemoryBus, *uploads: WeightManifest) -> None:

@@ -40,6 +40,7 @@ from services.runtime.lifecycle import Lifecycle, run_until_stopped
 from services.runtime.weights import ObjectStoreTransport
 from services.speculator.service import SpeculatorService
 from services.speculator.settings import SpeculatorSettings
+from tests.running import workers_running
 from tests.unit.conftest import fresh_model
 from tests.unit.test_generator_intake import FakeBackend
 
@@ -99,12 +100,8 @@ async def speculating(bus: MemoryBus, draft_dir: Path, tmp_path: Path, **setting
     life = Lifecycle(grace=2.0)
     service = await SpeculatorService.build(RunSettings(run=RUN, run_dir=str(tmp_path)), cfg, bus=bus, life=life)
     await service.resume()
-    task = asyncio.create_task(run_until_stopped(life, *service.workers()))
-    try:
+    async with workers_running(life, service, timeout=30):
         yield service
-    finally:
-        life.shutdown()
-        await asyncio.wait_for(task, 30)
 
 
 async def test_the_speculator_distils_scored_groups_and_uploads_a_draft_with_its_policy_version(
