@@ -305,7 +305,10 @@ class Connection:
             except Exception:  # noqa: BLE001 - drain failed (server gone): close hard
                 pass
             if not self.nc.is_closed:
-                await self.nc.close()
+                try:
+                    await self.nc.close()
+                except (ConnectionError, OSError) as exc:  # the socket died under the close: closed all the same
+                    self.log.warning("close_failed", error=f"{type(exc).__name__}: {exc}"[:300])
 
     def spawn(self, coro: Awaitable[Any], *, name: str) -> asyncio.Task[Any]:
         """A background task that lives until it ends or the connection closes."""

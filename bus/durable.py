@@ -10,7 +10,9 @@ its caller keeps the delivery.
 Settling: dead letters are written *before* the ``term`` so a crash in between redelivers (and
 the dead letter's msg id, ``dead.<stream>.<seq>``, dedupes the second copy) instead of losing
 it; a dead letter that cannot be written (DEAD unreachable or full) leaves the message un-acked
-(naked with backoff) and logged, never raised into the consume loop or the puller's caller.  A
+(naked with backoff) and logged, never raised into the consume loop or the puller's caller; an
+ack, nak or term the server cannot be told (away, restarting) is logged (``settle_lost``), not
+raised: the message comes back after ack_wait, as any lost ack's does.  A
 claim of a work-queue message is released only once the server has really removed the message
 (``ack_sync``), so a lost ack never leaves a message pointing at deleted bytes.
 """
@@ -18,21 +20,25 @@ claim of a work-queue message is released only once the server has really remove
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+import nats.errors
 from nats.aio.msg import Msg
 
 from bus.claims import CLAIM_HEADER
 from bus.connection import Connection
 from bus.deadletter import dead_letter_id
 from bus.heartbeat import Heartbeat
+from bus.outage import UNANSWERED
 from bus.outcome import decoded
 from bus.protocol import BusClosed, BusError, ConsumerSpec, Delivery
 from bus.pull import PullInbox
 from bus.routing import WORK_QUEUES
 
 ACK_SYNC_TIMEOUT_S = 5.0
+# A settle the server never got: it redelivers the message after ack_wait.
+SETTLE_LOST = (*UNANSWERED, nats.errors.ConnectionClosedError, ConnectionError)
 
 
 class JetStreamSettle:
@@ -56,16 +62,30 @@ class JetStreamSettle:
         self.settled = True
         if self.claim and self.work_queue:
             # The claimed object may go only once the server has really removed the message.
-            await self.raw.ack_sync(timeout=ACK_SYNC_TIMEOUT_S)
-            self.conn.release_claim(self.claim)
+            if await self._reaches_server("ack", self.raw.ack_sync(timeout=ACK_SYNC_TIMEOUT_S)):
+                self.conn.release_claim(self.claim)
         else:
-            await self.raw.ack()
+            await self._reaches_server("ack", self.raw.ack())
 
     async def nak(self, d: Delivery[Any] | None, delay: float = 0.0) -> None:
         if self.settled:
             return
         self.settled = True
-        await self.raw.nak(delay=delay if delay > 0 else None)
+        await self._reaches_server("nak", self.raw.nak(delay=delay if delay > 0 else None))
+
+    async def _reaches_server(self, what: str, op: Awaitable[Any]) -> bool:
+        """Run one settle; False where the server could not be told (away, restarting, the
+        connection closed).  Why that is not raised: JetStream acks are at-least-once anyway, so
+        every consumer already handles the redelivery an unsettled message gets after ack_wait
+        (the trainer's ledger, the environments' dedupe); raised, it killed the service that
+        settled during an outage instead (a trainer settling a checkpoint's groups)."""
+        try:
+            await op
+        except SETTLE_LOST as exc:
+            self.conn.log.warning("settle_lost", op=what, stream=self.stream, error=type(exc).__name__,
+                                  todo="nothing: the server redelivers the message after ack_wait")
+            return False
+        return True
 
     async def term(self, d: Delivery[Any], reason: str, *, error: str = "terminated") -> None:
         await self.dead(d.subject, reason=reason, error=error, deliveries=d.deliveries,
@@ -85,8 +105,7 @@ class JetStreamSettle:
         except Exception as exc:  # noqa: BLE001 - DEAD unreachable or full: keep the message, see below
             await self._dead_letter_failed(subject, exc, reason=reason, deliveries=deliveries, stream_seq=stream_seq)
             return
-        await self.raw.term()
-        if self.claim and self.work_queue:
+        if await self._reaches_server("term", self.raw.term()) and self.claim and self.work_queue:
             self.conn.release_claim(self.claim)
 
     async def _dead_letter_failed(self, subject: str, exc: Exception, *, reason: str, deliveries: int,
@@ -111,7 +130,7 @@ class JetStreamSettle:
     async def in_progress(self, d: Delivery[Any] | None = None) -> None:
         if self.settled:
             return
-        await self.raw.in_progress()
+        await self._reaches_server("in_progress", self.raw.in_progress())
 
     def note_error(self, d: Delivery[Any], error: str) -> None:
         self.conn.note_error(self.stream, d.stream_seq, error)

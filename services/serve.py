@@ -100,6 +100,11 @@ async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_u
                                          connect_timeout=run_cfg.publish_outage_s, **run_cfg.bus_options())
         try:
             await module.run(run_cfg, cfg, bus=bus, life=life)
+        except Exception:
+            # Logged before the bus closes: a close that fails too (the server gone) would
+            # otherwise be the error the exit status and the journal show.
+            log.exception("service_failed")
+            raise
         finally:
             await bus.close()
             shutdown_tracing()

@@ -318,3 +318,39 @@ async def test_no_pull_is_sent_while_disconnected(tmp_path):
     finally:
         await bus.close()
         await server.astop()
+
+
+async def test_an_ack_the_server_cannot_get_is_logged_not_raised(tmp_path):
+    """A settle during an outage once raised out of the bus (a claim-checked work-queue message's
+    ``ack_sync`` timed out) and killed the service that settled (a trainer acking a checkpoint's
+    groups).  Now it is logged and the service goes on; the message is not lost: the server
+    either redelivers it after ack_wait with its claim still readable, or got the ack the
+    client kept in its buffer on reconnect and removed it."""
+    from bus.jetstream import JetStreamBus
+
+    server = EmbeddedServer(tmp_path / "nats")
+    await server.astart()
+    bus = await JetStreamBus.connect(server.url, "lost", name="generator", claim_threshold=256, **BUS_TEST_OPTIONS)
+    try:
+        big = Task(run="r", task_id="t1", pool="math", env="addition", prompt="1+1=" + "9" * 4000)
+        await bus.publish(bus.subjects.tasks("math"), big.encode(), msg_id="t1")
+        puller = bus.puller(task_spec(bus, ack_wait=2.0), Task.decode)
+        [d] = await puller.fetch(1, timeout=5.0)
+        await server.astop()
+        await eventually(lambda: not bus.connection.nc.is_connected, timeout=10)
+        await d.ack()  # raised TimeoutError before
+        await d.nak()  # settled once: a no-op
+        await server.astart()
+        await eventually(lambda: bus.connection.nc.is_connected, timeout=30)
+        deadline = time.monotonic() + 15.0
+        back: list[Any] = []
+        while not back and time.monotonic() < deadline:
+            back = await puller.fetch(1, timeout=1.0)
+        if back:
+            assert back[0].msg.prompt == big.prompt, "the claim was released though the ack never reached the server"
+            await back[0].ack()
+        info = await bus.connection.js.stream_info(bus.subjects.stream("TASKS"))
+        assert info.state.messages == 0, "the message is neither redelivered nor removed"
+    finally:
+        await bus.close()
+        await server.astop()
