@@ -1,5 +1,5 @@
 """Drafters under a drifting policy: no drafting, a static draft, an online draft, the group
-drafter, before and after a scripted policy shift half way through the stream (issue 16).
+drafter, the online draft and the group drafter combined, before and after a scripted policy shift half way through the stream (issue 16).
 
 Policy: the tests' tiny addition model with <eos> switched off (as bench/speculative.py), so every
 completion runs `--max-new-tokens`: 55 by default, the most its 64-position context allows after
@@ -25,10 +25,10 @@ frozen); online (the same start, then `--online-steps` DraftDistiller steps afte
 window of the stream's latest `--online-window` samples, the overall calls' own rows; each new
 version staged into the tail's WeightSlot and swapped in before the next drafting round, as
 weight-broadcast would deliver it; in the real system the `speculator` role runs these steps off
-the generator, so their time is reported apart and not in wall); group; the two drafts at fixed k;
-an A/A control (MODES says why). "online + group" is not
-built: a Speculation drafts from exactly one drafter (spec_tail.py builds no group drafters when
-a draft model is set) and combining them needs a change in services/policy/.
+the generator, so their time is reported apart and not in wall); group; online_group (drafter
+"model+group" on the same online slot: per row per round the group's suffix match where it has
+one, else the online draft's sample; its group_/model_acceptance_rate say which half pays); the
+two drafts at fixed k; an A/A control (MODES says why).
 
 Prints ONE JSON object: per phase (before / after the shift, and `after_late`, its second half,
 once the online draft has caught up) and shape, per mode, medians over `--repeats` replays of the
@@ -72,7 +72,7 @@ from services.tasks.addition import make_split  # noqa: E402
 # adaptive rule switches a draft off where its cost outweighs its gain, leaving nothing to compare).
 # off_again: no drafting a second time, last in each batch: its "speedup" over off is the timing
 # noise of this machine under its load (an A/A control), the band any other speedup must clear.
-MODES = ("off", "static", "online", "group", "static_fixed_k", "online_fixed_k", "off_again")
+MODES = ("off", "static", "online", "group", "online_group", "static_fixed_k", "online_fixed_k", "off_again")
 ANSWER_SPAN = 4  # the longest addition answer here (3 digits) and its <eos>
 SHAPES = {"overall": (8, 8), "tail": (1, 1)}  # shape -> (rows per call, tail_rows)
 
@@ -203,6 +203,9 @@ def speculations(stream: Stream, online: OnlineDraft, max_k: int) -> dict[str, d
                 out[mode][shape] = None
             elif mode == "group":
                 out[mode][shape] = Speculation(SpeculationConfig(drafter="group", tail_rows=tail_rows, max_k=max_k))
+            elif mode == "online_group":
+                out[mode][shape] = Speculation(SpeculationConfig(drafter="model+group", tail_rows=tail_rows,
+                                                                 max_k=max_k), draft=online.slot)
             elif mode.startswith("static"):
                 out[mode][shape] = Speculation(SpeculationConfig(drafter="static", tail_rows=tail_rows, max_k=max_k),
                                                draft=StaticSlot(stream.static), lengths=fixed)
@@ -275,6 +278,10 @@ def summarise(replays: list[dict[tuple[str, str, str], Tally]]) -> dict[str, Any
             if not mode.startswith("off"):
                 entry[mode]["acceptance_rate"] = round(total.stats.metrics()["acceptance_rate"], 3)
                 entry[mode]["drafted_token_share"] = round(total.stats.tokens / max(1, total.tokens), 3)
+            if mode == "online_group":
+                metrics = total.stats.metrics()
+                entry[mode].update({f"{src}_{m}": round(metrics[f"{src}_{m}"], 3)
+                                    for src in ("group", "model") for m in ("acceptance_rate", "kept")})
         out.setdefault(phase, {})[shape] = entry
     return out
 
@@ -283,7 +290,7 @@ def targets(table: dict[str, Any]) -> dict[str, Any]:
     """The issue's targets, read off the table: draft quality after the shift (tokens per forward at
     fixed k, and under the adaptive rule), the best drafter in the tail, the adaptive modes overall."""
     after = table["after"]
-    adaptive = ("static", "online", "group")
+    adaptive = ("static", "online", "group", "online_group")
     drafters = [m for m in MODES if not m.startswith("off")]
 
     def ratio(phase: str, shape: str, online: str, static: str) -> float:
@@ -355,7 +362,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "online": {"steps_per_batch": args.online_steps, "window": args.online_window, "lr": args.online_lr,
                        "distill_s_per_replay": round(statistics.median(distill_s), 2),
                        "distill_ms_per_batch": round(statistics.median(distill_s) / args.batches * 1e3, 1)},
-            "online_plus_group": "not built: a Speculation drafts from one drafter; combining needs services/policy/",
             "phases": table, "targets": targets(table)}
 
 

@@ -54,6 +54,12 @@ class SpeculativeKeys:
     VERIFY_S = "generator/spec/verify_s"  # seconds in verify forwards and the acceptance rule
     TAIL_TOKENS = "generator/spec/tail_tokens"  # tokens emitted by the tail
     K = "generator/spec/k"  # draft length of the last round
+    # By the drafter that proposed the tokens (drafter "model+group" / "static+group" has both;
+    # the others report zeros for the half they do not have).
+    GROUP_ACCEPTANCE_RATE = "generator/spec/group_acceptance_rate"
+    GROUP_KEPT = "generator/spec/group_kept"  # drafted tokens kept, proposed by the group drafter
+    MODEL_ACCEPTANCE_RATE = "generator/spec/model_acceptance_rate"
+    MODEL_KEPT = "generator/spec/model_kept"  # drafted tokens kept, proposed by the draft model
 
     @staticmethod
     def key(name: str) -> str:

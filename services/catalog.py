@@ -11,12 +11,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from services.policy.drafter_names import ONLINE_DRAFTERS
+
 
 def speculating(tables: Mapping[str, Any]) -> bool:
-    """[generator.speculative] drafter = "model" in a run's config tables: a draft to distil online
-    (drafter "static" keeps its first version, so it needs no speculator)."""
+    """[generator.speculative] drafter = "model" or "model+group" in a run's config tables: a draft to
+    distil online (the "static" drafters keep their first version, so they need no speculator)."""
     spec = tables.get("generator", {}).get("speculative", {})
-    return isinstance(spec, Mapping) and spec.get("drafter") == "model"
+    return isinstance(spec, Mapping) and spec.get("drafter") in ONLINE_DRAFTERS
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ SERVICES: dict[str, ServiceEntry] = {e.name: e for e in (
                  torch=False, replicas=False),
     ServiceEntry("trainer", "services.trainer.service", "services.trainer.settings:TrainerSettings",
                  torch=True, replicas=False),
-    # Runs only with [generator.speculative] drafter = "model" (`rlbus up` starts it then): it
+    # Runs only with [generator.speculative] drafter = "model" / "model+group" (`rlbus up` starts it then): it
     # distils the draft on SCORED and uploads its versions, which weight-broadcast announces.
     ServiceEntry("speculator", "services.speculator.service", "services.speculator.settings:SpeculatorSettings",
                  torch=True, replicas=False, only_if=speculating),

@@ -3,7 +3,8 @@
 consumes:  rl.<run>.tasks.<pool>          (Task)            durable 'generator_<pool>' shared by replicas
            rl.<run>.weights.<model>       (WeightManifest)  latest on join, then every new version
            rl.<run>.weights.<model>-draft (WeightManifest)  the same for the draft model, only with
-             [generator.speculative] drafter = "model" ("static" keeps its first version for good)
+             [generator.speculative] drafter = "model" or "model+group" (the "static" drafters keep their
+             first version for good)
            rl.<run>.control.generator.<instance|all>.<action>  (Control) the last of each action on join, one
              typed decision each: Admit (cumulative grant for this boot, the newest holds, + freshness floor);
              AssignPools (pools in priority order, the share of starts per pool); Concurrency (most groups
@@ -62,6 +63,7 @@ from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
 from services.generator.status import Status
 from services.generator.weight_follower import WeightFollower, followed_draft
+from services.policy.drafter_names import ONLINE_DRAFTERS
 from services.runtime.config import RunSettings
 from services.runtime.heartbeat import Beat
 from services.runtime.lifecycle import Lifecycle, run_until_stopped
@@ -103,10 +105,10 @@ async def run(run_cfg: RunSettings, cfg: GeneratorSettings, *, bus: Bus, life: L
                         max_ack_pending=max(4 * run_cfg.admission_window_groups, 256))
     publisher = Publisher(bus, subjects, gen, life)
     episodes = EpisodeDriver(bus, subjects, gen, cfg, publisher=publisher, status=status, life=life)
-    # drafter "model" follows the speculator's draft versions; "static" never does (frozen at its first).
+    # drafter "model" / "model+group" follow the speculator's draft versions; the "static" ones never do.
     drafts = WeightFollower(bus, subjects.weights(draft_model_name(run_cfg.model_name)), gen, status,
                             run_dir=run_cfg.run_dir, followed=followed_draft(backend)) \
-        if cfg.speculative.drafter == "model" else None
+        if cfg.speculative.drafter in ONLINE_DRAFTERS else None
     status.beat.extra = lambda: {**gen.metrics(), **episodes.metrics(), **(drafts.metrics() if drafts else {})}
     driver = BatchDriver(bus, subjects, gen, cfg, intake=intake, weights=weights, publisher=publisher, status=status,
                          life=life, slowdown=SlowdownFile(cfg.slowdown_file), episodes=episodes)

@@ -5,6 +5,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from services.policy.drafter_names import MODEL_DRAFTERS, DrafterName
 from services.runtime.config import Settings
 
 
@@ -25,26 +26,28 @@ class SpeculativeOptions(Settings):
     at most 6 tokens) the rows of a batch finish within a step or two of each other, so there is
     almost no tail to draft in (bench/speculative_tail.py, README)."""
 
-    drafter: Literal["off", "group", "model", "static"] = Field(
+    drafter: DrafterName = Field(
         "off", description="'group': the last rows of a batch draft from their group's siblings and recent "
         "completions and are verified by the policy (exact: the samples' distribution is unchanged); 'model': a small "
         "draft model (draft_model_path) samples the drafts, and new draft versions are swapped in between target "
-        "forwards; 'static': the same draft frozen at its first version; 'off': plain decoding.")
+        "forwards; 'static': the same draft frozen at its first version; 'model+group' / 'static+group': per row "
+        "per round the group's suffix match where there is one, else that draft model's sample; 'off': plain decoding.")
     tail_rows: int = Field(2, ge=1, le=1024, description="Drafting starts once this many rows or fewer are still "
                            "decoding (measured crossover on a CPU: drafting pays at 1-2 rows, not from 4).")
     max_k: int = Field(4, ge=1, le=16, description="Most tokens drafted per row per verify forward (the draft "
                        "length adapts below it to the measured acceptance and the rows left).")
-    draft_model_path: str = Field("", description="drafter 'model' / 'static': the draft model's Hugging Face folder "
+    draft_model_path: str = Field("", description="drafter 'model', 'static', 'model+group', 'static+group': the "
+                                  "draft model's Hugging Face folder "
                                   "(services/policy/draft_model.py build_draft + save_draft): the policy's tokenizer, "
                                   "vocabulary and context, fewer layers.  Checked against the policy at start-up.")
 
     @model_validator(mode="after")
     def _draft_needs_a_path(self) -> "SpeculativeOptions":
-        if self.drafter in ("model", "static") and not self.draft_model_path:
+        if self.drafter in MODEL_DRAFTERS and not self.draft_model_path:
             raise ValueError(
                 f"drafter = {self.drafter!r} needs draft_model_path, the draft model's folder: build one with "
                 "services.policy.draft_model.build_draft and save_draft, or set drafter = \"group\" or \"off\"")
-        if self.drafter in ("model", "static") and not (Path(self.draft_model_path) / "config.json").is_file():
+        if self.drafter in MODEL_DRAFTERS and not (Path(self.draft_model_path) / "config.json").is_file():
             raise ValueError(
                 f"draft_model_path = {self.draft_model_path!r} is not a model folder (no config.json): point it at a "
                 "folder written by services.policy.draft_model.save_draft")

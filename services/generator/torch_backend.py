@@ -27,7 +27,7 @@ def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingPara
 
 def _speculation(options: Any, policy: torch.nn.Module) -> Speculation | None:
     """[generator.speculative] (a SpeculativeOptions, a dict, or None) as the sampler's speculative tail;
-    a draft model (drafter "model" / "static") is loaded now and checked against the policy."""
+    a draft model (drafter_names.MODEL_DRAFTERS) is loaded now and checked against the policy."""
     config = SpeculationConfig.of(options)
     return Speculation.build(config, policy) if config.drafter != "off" else None  # type: ignore[arg-type]
 
@@ -109,9 +109,9 @@ class TorchBackend(SampleMeter):
         return int(draft.version) if draft is not None else -1
 
     def stage_draft(self, version: int, weights: bytes | memoryview) -> None:
-        """A new version of the draft model (drafter "model"); swapped in between target forwards."""
+        """A new version of the draft model (drafter "model" / "model+group"); swapped in between target forwards."""
         if self.speculation is None:
-            raise RuntimeError("stage_draft needs [generator.speculative] drafter = \"model\"")
+            raise RuntimeError("stage_draft needs [generator.speculative] drafter = \"model\" or \"model+group\"")
         self.speculation.stage_draft(version, weights)
 
     def apply_staged(self) -> bool:

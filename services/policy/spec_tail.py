@@ -18,7 +18,9 @@ processed distribution at every drafted position; `accept_drafts` keeps a prefix
 correction or bonus token. With drafter "model" / "static" the proposals are sampled instead from a
 small draft model (`ModelDrafter`, services/policy/model_drafter.py), and their distributions go to
 the acceptance rule, which then keeps the target's distribution exactly; a "model" draft's staged
-versions are swapped in before a drafting round. The cache columns of rejected drafts are masked out for the rows that
+versions are swapped in before a drafting round. With "model+group" / "static+group" each row
+takes the group drafter's proposal when it has one and the draft model's otherwise, in one verify
+forward (`RoundDrafts`, services/policy/draft_round.py); `TailStats` counts each source apart. The cache columns of rejected drafts are masked out for the rows that
 rejected them and cropped where every row did, so no later token attends to them. A row with no
 draft just feeds its last token: a plain decode step. Behaviour log-probs are the target's
 processed log-probs of the emitted tokens, and every token is labelled with the version whose
@@ -36,13 +38,22 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from services.policy.draft_model import load_draft
+from services.policy.draft_round import RoundDrafts, Source
+from services.policy.drafter_names import (
+    DRAFTERS,
+    GROUP_DRAFTERS,
+    MODEL_DRAFTERS,
+    ONLINE_DRAFTERS,
+    DrafterName,
+    drafter_choices,
+)
 from services.policy.drafters import GroupDrafter, RecentCompletions
 from services.policy.errors import PolicyError
 from services.policy.model_drafter import ModelDrafter
@@ -53,8 +64,7 @@ from services.policy.weight_slot import WeightSlot
 if TYPE_CHECKING:  # the sampler imports this module
     from services.policy.sampler import ModelSlot, _Completions
 
-DrafterName = Literal["off", "group", "model", "static"]
-MODEL_DRAFTERS = ("model", "static")
+__all__ = ["MODEL_DRAFTERS", "DrafterName"]  # re-exported: callers that hold a Speculation ask here
 
 
 class SpeculationConfigError(PolicyError):
@@ -68,12 +78,14 @@ class SpeculationConfig:
     drafter: DrafterName = "off"
     tail_rows: int = 2
     max_k: int = 4
-    # The draft model's folder for drafter "model" / "static" (services/policy/draft_model.py).
+    # The draft model's folder for the drafters that use one (drafter_names.MODEL_DRAFTERS).
     draft_model_path: str = ""
 
     def __post_init__(self) -> None:
-        if self.drafter not in ("off", "group", "model", "static"):
-            raise SpeculationConfigError(f"drafter={self.drafter!r}: use 'off', 'group', 'model' or 'static'")
+        if self.drafter not in DRAFTERS:
+            raise SpeculationConfigError(
+                f"drafter={self.drafter!r} is not a drafter: use one of {drafter_choices()} "
+                "(a draft model and the group drafter combine only as 'model+group' or 'static+group')")
         if self.tail_rows < 1:
             raise SpeculationConfigError(f"tail_rows={self.tail_rows}: use a value >= 1 (rows left when drafting starts)")
         if not 1 <= self.max_k <= 16:
@@ -186,6 +198,20 @@ class TailStats:
     verify_s: float = 0.0
     k_last: int = 0
     draft_swaps: int = 0  # new draft versions swapped in during the tail (drafter "model")
+    # `drafted` and `kept` by the drafter that proposed them: with "model+group" they say which
+    # half pays (each is zero under a drafter that has only the other half).
+    group_drafted: int = 0
+    group_kept: int = 0
+    model_drafted: int = 0
+    model_kept: int = 0
+
+    def count(self, source: Source, drafted: int, kept: int) -> None:
+        """One row-round's drafts: `drafted` proposed by `source`, the first `kept` of them kept."""
+        self.drafting_rows += 1
+        self.drafted += drafted
+        self.kept += kept
+        setattr(self, f"{source}_drafted", getattr(self, f"{source}_drafted") + drafted)
+        setattr(self, f"{source}_kept", getattr(self, f"{source}_kept") + kept)
 
     def add(self, other: TailStats) -> None:
         """Add ``other``'s counts and times to these (an aggregate over calls); ``k_last`` is not a count."""
@@ -202,6 +228,10 @@ class TailStats:
             "verify_s": self.verify_s,
             "tail_tokens": float(self.tokens),
             "k": float(self.k_last),
+            "group_acceptance_rate": self.group_kept / self.group_drafted if self.group_drafted else 0.0,
+            "group_kept": float(self.group_kept),
+            "model_acceptance_rate": self.model_kept / self.model_drafted if self.model_drafted else 0.0,
+            "model_kept": float(self.model_kept),
         }
 
 
@@ -228,12 +258,13 @@ SwapRule = Callable[[int, int], bool]
 
 class Speculation:
     """The sampler's speculative tail: configuration, the per-drafter draft length, the pool of
-    recent completions, the draft model's slot (drafter "model" / "static") and the last call's
-    statistics.
+    recent completions, the draft model's slot (the drafters in MODEL_DRAFTERS) and the last
+    call's statistics.
 
-    `draft`: for "static" a slot that never changes (the draft frozen at its first version); for
-    "model" a `WeightSlot` whose staged versions (`stage_draft`) are swapped in between target
-    forwards, so a running generator follows a draft that keeps being distilled."""
+    `draft`: for "static" / "static+group" a slot that never changes (the draft frozen at its first
+    version); for "model" / "model+group" a `WeightSlot` whose staged versions (`stage_draft`) are
+    swapped in between target forwards, so a running generator follows a draft that keeps being
+    distilled."""
 
     def __init__(self, config: SpeculationConfig, *, recent: int = 64, draft: ModelSlot | None = None,
                  lengths: DraftLength | None = None) -> None:
@@ -262,14 +293,16 @@ class Speculation:
         from services.policy.sampler import StaticSlot  # the sampler imports this module
 
         draft = load_draft(config.draft_model_path, policy)
-        slot: ModelSlot = StaticSlot(draft) if config.drafter == "static" else WeightSlot(draft, 0)
+        online = config.drafter in ONLINE_DRAFTERS
+        slot: ModelSlot = WeightSlot(draft, 0) if online else StaticSlot(draft)
         return cls(config, draft=slot)
 
     def stage_draft(self, version: int, weights: bytes | memoryview | Mapping[str, torch.Tensor]) -> None:
         """Stage a new draft version; the tail swaps it in before its next drafting round."""
         if not isinstance(self.draft, WeightSlot):
             raise SpeculationConfigError(
-                f"drafter={self.config.drafter!r} holds no swappable draft: new draft versions need drafter = 'model'")
+                f"drafter={self.config.drafter!r} holds no swappable draft: new draft versions need "
+                "drafter = 'model' or 'model+group'")
         self.draft.stage(version, weights)
 
     @property
@@ -338,7 +371,7 @@ class TailDecoder:
         self.live = _Live(list(state.rows), mask, state.next_pos[idx], state.last[idx], cache)
         self._compact()
         self.model_drafter = spec.model_drafter
-        self.drafters = self._drafters() if self.model_drafter is None else {}
+        self.drafters = self._drafters() if spec.config.drafter in GROUP_DRAFTERS else {}
 
     def _compact(self) -> None:
         """Drop cache columns no tail row attends to (left padding of prompts longer than every
@@ -410,26 +443,33 @@ class TailDecoder:
         self.live.cache, self.live.mask = fwd.past_key_values, mask
         self.live.next_pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
 
-    def _drafts(self, k: int) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Each row's proposal, and the distributions they were drawn from (None: point masses)."""
+    def _drafts(self, k: int) -> RoundDrafts:
+        """Each row's proposal: the group drafter's where it has one, else the draft model's."""
         # The correction/bonus token needs one place of the budget.
         rooms = [max(0, min(k, self.params.max_new_tokens - int(self.out.length[r]) - 1)) for r in self.live.rows]
-        if self.model_drafter is not None:
-            if self.model_drafter.slot.maybe_swap():
-                self.stats.draft_swaps += 1
-            drafts = self.model_drafter.propose(self._contexts(), rooms, self.params, self.gen)
-            return drafts.ids, drafts.probs
-        out = []
-        for r, room in zip(self.live.rows, rooms, strict=True):
-            drafter, j = self.drafters[r]
-            out.append(drafter.propose(j, room) if room > 0 else [])
-        return out, None
+        group = [[] for _ in rooms]
+        if self.drafters:
+            for i, (r, room) in enumerate(zip(self.live.rows, rooms, strict=True)):
+                drafter, j = self.drafters[r]
+                group[i] = drafter.propose(j, room) if room > 0 else []
+        if self.model_drafter is None:
+            return RoundDrafts.of_group(group)
+        if self.model_drafter.slot.maybe_swap():
+            self.stats.draft_swaps += 1
+        # Every row without a group proposal (all of them for "model"/"static", so those draw
+        # exactly as before the drafters were combined).
+        need = [i for i, g in enumerate(group) if not g]
+        if not need:
+            return RoundDrafts.of_group(group)
+        rows = [self.live.rows[i] for i in need]
+        drafts = self.model_drafter.propose(self._contexts(rows), [rooms[i] for i in need], self.params, self.gen)
+        return RoundDrafts.mixed(group, need, drafts)
 
-    def _contexts(self) -> list[torch.Tensor]:
-        """Each tail row's prompt and completion so far (its newest token included)."""
+    def _contexts(self, rows: list[int]) -> list[torch.Tensor]:
+        """These tail rows' prompts and completions so far (the newest token included)."""
         n, out, state = self.state.n, self.out, self.state
         seqs = []
-        for r in self.live.rows:
+        for r in rows:
             plen = int(state.prompt_lens[r // n])
             prompt = state.prompt_ids[r // n, state.prompt_ids.shape[1] - plen:]
             seqs.append(torch.cat([prompt, out.tokens[r, : int(out.length[r])]]))
@@ -440,7 +480,8 @@ class TailDecoder:
         t0 = time.perf_counter()
         k = self.length.k(len(live.rows))
         stats.k_last = k
-        drafts, draft_probs = self._drafts(k)
+        proposed = self._drafts(k)
+        drafts, draft_probs = proposed.ids, proposed.probs
         t1 = time.perf_counter()
         rows = len(live.rows)
         width = max(len(d) for d in drafts)
@@ -474,9 +515,9 @@ class TailDecoder:
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
         self.length.observe_cost(t1 - t0, t2 - t1, k, rows)
-        self._record(drafts, verified)
+        self._record(proposed, verified)
 
-    def _record(self, drafts: list[list[int]], verified: Verified) -> None:
+    def _record(self, proposed: RoundDrafts, verified: Verified) -> None:
         stats, out = self.stats, self.out
         accepted = verified.accepted.tolist()
         stats.rounds += 1
@@ -484,12 +525,11 @@ class TailDecoder:
         still = []
         for i, (r, (tokens, logps)) in enumerate(zip(self.live.rows, verified.rows(), strict=True)):
             stats.row_forwards += 1
-            if drafts[i]:
-                stats.drafting_rows += 1
-                stats.drafted += len(drafts[i])
-                stats.kept += accepted[i]
+            source, drafted = proposed.sources[i], len(proposed.ids[i])
+            if source is not None:
+                stats.count(source, drafted, accepted[i])
                 kept_all += accepted[i]
-                trials_all += accepted[i] + (accepted[i] < len(drafts[i]))
+                trials_all += accepted[i] + (accepted[i] < drafted)
             emitted = self._append(r, tokens, logps)
             stats.tokens += emitted
             if self.drafters:

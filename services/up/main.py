@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from services.catalog import SERVICES, singletons
+from services.policy.drafter_names import MODEL_DRAFTERS
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 from services.up.procs import Children
 from services.up.settings import UpSettings
@@ -79,10 +80,10 @@ def ensure_model(path: Path, up_cfg: UpSettings) -> None:
 
 
 def ensure_draft(data: dict[str, Any], policy: Path, folder: Path) -> None:
-    """drafter "model" / "static" without a draft_model_path: build one from the policy into the
+    """A drafter with a draft model (MODEL_DRAFTERS) but no draft_model_path: build one from the policy into the
     run folder (its first decoder layer; `rlbus init-draft` builds others) and point the config at it."""
     spec = data.get("generator", {}).get("speculative", {})
-    if spec.get("drafter") not in ("model", "static") or spec.get("draft_model_path"):
+    if spec.get("drafter") not in MODEL_DRAFTERS or spec.get("draft_model_path"):
         return
     out = folder / "draft"
     if not (out / "config.json").exists():

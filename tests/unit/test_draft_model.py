@@ -7,6 +7,9 @@ through a Hugging Face folder; a draft that does not fit is refused at start-up 
 with a sampled (stochastic) drafter the sampler's output is still the policy's (greedy ids equal,
 behaviour log-probs are the target's, a chi-square against plain sampling); a draft version staged
 mid-call is swapped in between target forwards; distillation raises the real acceptance rate.
+The combined drafter ("model+group": each row takes the group's suffix match where there is one,
+else the draft model's sample) keeps the same promises with both kinds of row in one verify
+round, and counts what each source drafted and kept.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from services.generator.settings import GeneratorSettings
 from services.policy.distill import DistillInputError, DraftDistiller, PolicySample
 from services.policy.draft_model import DraftModelError, build_draft, load_draft, save_draft
+from services.policy.draft_round import RoundDrafts
+from services.policy.drafters import RecentCompletions
 from services.policy.load import load_policy
 from services.policy.logprobs import completion_logprobs
 from services.policy.model_init import tiny_config
@@ -32,6 +37,7 @@ from services.policy.spec_tail import (
     Speculation,
     SpeculationConfig,
     SpeculationConfigError,
+    TailDecoder,
     TailStats,
 )
 from services.policy.tokenizer import encode_prompt
@@ -55,8 +61,9 @@ def draft_dir(policy, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_draft(build_draft(model, layers=2), tok, tmp_path_factory.mktemp("draft") / "d")
 
 
-def _model_spec(draft, *, tail_rows: int = 4, max_k: int = 4, fixed: bool = False, slot=None) -> Speculation:
-    return Speculation(SpeculationConfig(drafter="model", tail_rows=tail_rows, max_k=max_k),
+def _model_spec(draft, *, tail_rows: int = 4, max_k: int = 4, fixed: bool = False, slot=None,
+                drafter: str = "model") -> Speculation:
+    return Speculation(SpeculationConfig(drafter=drafter, tail_rows=tail_rows, max_k=max_k),  # type: ignore[arg-type]
                        draft=slot or StaticSlot(draft), lengths=FixedDraftLength(max_k) if fixed else None)
 
 
@@ -122,10 +129,59 @@ def test_behaviour_logprobs_stay_the_targets(policy) -> None:
         assert torch.allclose(torch.as_tensor(s.behaviour_logprobs), ref.float(), atol=1e-4)
 
 
-def test_sampled_distribution_matches_plain_sampling(policy) -> None:
+def test_a_mixed_round_keeps_the_targets_logprobs_and_counts_each_source(policy, monkeypatch) -> None:
+    """Rows with a group match and rows without one are drafted by different drafters in the same
+    round and verified by one forward: every emitted token's behaviour log-prob is still the
+    target's processed log-prob, a group row's distribution is one-hot on its proposal, and the
+    tail's statistics split drafted and kept tokens by source."""
+    model, tok = policy
+    rounds: list[RoundDrafts] = []
+    drafts = TailDecoder._drafts
+
+    def spy(self, k: int) -> RoundDrafts:  # type: ignore[no-untyped-def]
+        rounds.append(drafts(self, k))
+        return rounds[-1]
+
+    monkeypatch.setattr(TailDecoder, "_drafts", spy)
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
+    prompts = [encode_prompt(tok, t) for t in PROMPTS[:2]]
+    spec = _model_spec(build_draft(model, layers=1), tail_rows=4, fixed=True, drafter="model+group")
+    sampler, gen, total = GroupSampler(StaticSlot(model), speculation=spec), torch.Generator().manual_seed(6), TailStats()
+    samples = []
+    for _ in range(3):  # later calls also draft from the earlier calls' completions
+        groups = sampler.sample_groups(prompts, 2, params, generator=gen)
+        samples += [(prompts[i], s) for i, g in enumerate(groups) for s in g]
+        total.add(spec.last_call)
+    mixed = [r for r in rounds if {"group", "model"} <= set(r.sources)]
+    assert mixed, [r.sources for r in rounds]
+    for r in mixed:
+        assert r.probs is not None
+        for i, source in enumerate(r.sources):
+            if source == "group":
+                one_hot = torch.zeros_like(r.probs[i, : len(r.ids[i])]).scatter_(-1, torch.tensor(r.ids[i])[:, None], 1.0)
+                assert torch.equal(r.probs[i, : len(r.ids[i])], one_hot)
+            elif source == "model":
+                assert torch.allclose(r.probs[i, : len(r.ids[i])].sum(-1), torch.ones(len(r.ids[i])))
+    refs = completion_logprobs(model, [(p, s.completion_ids) for p, s in samples], params)
+    for (_, s), ref in zip(samples, refs, strict=True):
+        assert torch.allclose(torch.as_tensor(s.behaviour_logprobs), ref.float(), atol=1e-4)
+    by_source = {src: sum(len(r.ids[i]) for r in rounds for i, x in enumerate(r.sources) if x == src)
+                 for src in ("group", "model")}
+    assert (total.group_drafted, total.model_drafted) == (by_source["group"], by_source["model"])
+    assert total.group_drafted > 0 and total.model_drafted > 0
+    assert total.group_kept + total.model_kept == total.kept and total.group_drafted + total.model_drafted == total.drafted
+    metrics = total.metrics()
+    assert metrics["group_acceptance_rate"] == total.group_kept / total.group_drafted
+    assert metrics["model_kept"] == total.model_kept
+
+
+@pytest.mark.parametrize("drafter", ["model", "model+group"])
+def test_sampled_distribution_matches_plain_sampling(policy, drafter: str) -> None:
     """Two-sample chi-square over whole completions, false-alarm rate 1e-3 (fixed seed). The draft
     is an untrained-beyond-its-init 1-layer copy: its q differs from p a lot, so the residual
-    draws of the acceptance rule carry much of the distribution."""
+    draws of the acceptance rule carry much of the distribution. With "model+group" the group
+    drafter proposes from the earlier calls' completions (point masses, one-hot in the verify
+    round) and the draft model fills the rows it has no match for."""
     model, tok = policy
     params = SamplingParams(temperature=0.7, top_p=0.95, max_new_tokens=5)
     prompt = encode_prompt(tok, "58+67=")
@@ -135,14 +191,23 @@ def test_sampled_distribution_matches_plain_sampling(policy) -> None:
              GroupSampler(StaticSlot(model)).sample_groups([prompt], rows, params, generator=gen)[0]]
     # Two rows a call, both in the tail from their first token: drafts of both rows are verified
     # in one forward, with their draft distributions side by side.
-    spec = _model_spec(build_draft(model, layers=1), tail_rows=2, fixed=True)
+    spec = _model_spec(build_draft(model, layers=1), tail_rows=2, fixed=True, drafter=drafter)
     sampler = GroupSampler(StaticSlot(model), speculation=spec)
     total = TailStats()
     got = []
-    for _ in range(rows // 2):
+    for call in range(rows // 2):
+        if call % 2:
+            # Every other call starts from an empty pool: the group drafter then has no match
+            # for the first round (nor wherever the siblings have none), so the draft model drafts
+            # a good share of the rows (with a full pool, ~1% of them: every completion matches).
+            spec.recent = RecentCompletions()
         got += [tuple(s.completion_ids) for s in sampler.sample_groups([prompt], 2, params, generator=gen)[0]]
         total.add(spec.last_call)
     assert 0 < total.kept < total.drafted
+    assert 0 < total.model_kept < total.model_drafted
+    if drafter == "model+group":
+        assert 0 < total.group_kept < total.group_drafted
+        assert total.group_drafted + total.model_drafted == total.drafted
     p_value = same_distribution_p(plain, got)
     assert p_value > 1e-3, (p_value, Counter(plain).most_common(5), Counter(got).most_common(5))
 

@@ -227,6 +227,23 @@ def test_settings_validation_says_the_fix(monkeypatch) -> None:
         SpeculationConfig(drafter="group", max_k=0)
 
 
+def test_an_unknown_drafter_combination_is_refused_with_the_valid_names(monkeypatch) -> None:
+    for key in [k for k in __import__("os").environ if k.startswith("RLBUS_")]:
+        monkeypatch.delenv(key)
+    for wrong in ("group+model", "model+static", "group+static", "model+group+group"):
+        with pytest.raises(ConfigError) as info:
+            load_section(GeneratorSettings, {"generator": {"speculative": {"drafter": wrong}}}, "generator")
+        assert "[generator.speculative] drafter" in str(info.value) and f"got '{wrong}'" in str(info.value)
+        assert "'model+group'" in str(info.value) and "'static+group'" in str(info.value)
+        with pytest.raises(SpeculationConfigError, match=r"only as 'model\+group' or 'static\+group'"):
+            SpeculationConfig(drafter=wrong)  # type: ignore[arg-type]
+    # The combinations that exist need a draft model like "model" and "static" do.
+    for combined in ("model+group", "static+group"):
+        with pytest.raises(ConfigError, match="needs draft_model_path"):
+            load_section(GeneratorSettings, {"generator": {"speculative": {"drafter": combined}}}, "generator")
+        assert SpeculationConfig(drafter=combined).drafter == combined
+
+
 def test_backend_reports_the_tail_on_its_metrics(tiny_model: Path) -> None:
     from services.generator.torch_backend import TorchBackend
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from services.policy.draft_round import RoundDrafts
+from services.policy.model_drafter import ModelDrafts
 from services.policy.sampling import processed_logprobs
 from services.policy.speculative import SpeculativeInputError, Verified, accept_drafts
 
@@ -189,3 +191,55 @@ def test_mismatched_shapes_are_refused_with_what_to_pass() -> None:
         accept_drafts(target, torch.zeros(2, K + 1, dtype=torch.long), torch.full((2,), K), torch.Generator())
     with pytest.raises(SpeculativeInputError, match="draft_lens"):
         accept_drafts(target, torch.zeros(2, K, dtype=torch.long), torch.full((2,), K + 1), torch.Generator())
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), SETTINGS)
+def test_one_hot_draft_probs_are_the_point_mass_path(temperature: float, top_p: float) -> None:
+    """A group proposal inside a mixed round (drafter "model+group") reaches the rule as a one-hot
+    row of draft_probs: min(1, p/q) = p(x) and the residual is p without x, so with the same
+    random draws the outcome is exactly the point-mass path's (draft_probs=None)."""
+    table = processed_logprobs(TARGET_LOGITS, temperature, top_p)
+    prev = torch.full((20_000,), BOS)
+    draft_ids = torch.stack([POINT_DRAFTS[prev], POINT_DRAFTS[POINT_DRAFTS[prev]]], dim=1)
+    lens = torch.randint(0, K + 1, (len(prev),), generator=torch.Generator().manual_seed(1))
+    target = table[torch.cat([prev[:, None], draft_ids], 1)]
+    one_hot = torch.zeros(len(prev), K, V).scatter_(-1, draft_ids[..., None], 1.0)
+    point = accept_drafts(target, draft_ids, lens, torch.Generator().manual_seed(2))
+    hot = accept_drafts(target, draft_ids, lens, torch.Generator().manual_seed(2), draft_probs=one_hot)
+    assert 0 < int(point.accepted.sum()) < int(lens.sum())  # both kept and rejected drafts
+    for a, b in ((point.tokens, hot.tokens), (point.accepted, hot.accepted), (point.logprobs, hot.logprobs)):
+        assert torch.equal(a, b)
+
+
+def test_a_mixed_round_preserves_the_target_distribution() -> None:
+    """Half the rows drafted by the point drafter, half by the sampled one, in one verify round as
+    `RoundDrafts.mixed` lays them out (the point rows one-hot): the chi-square above still holds."""
+    table = processed_logprobs(TARGET_LOGITS, 0.7, 0.8)
+    gen = torch.Generator().manual_seed(11)
+
+    def mixed_round(prev: torch.Tensor) -> Verified:
+        ids, qs, ctx = [], [], prev
+        for _ in range(K):
+            q = DRAFT_PROBS[ctx]
+            sampled = torch.multinomial(q, 1, generator=gen).squeeze(-1)
+            point = POINT_DRAFTS[ctx]
+            x = point.clone()
+            x[1::2] = sampled[1::2]
+            ids.append(x)
+            qs.append(q)
+            ctx = x
+        draft_ids = torch.stack(ids, 1)
+        rows = list(range(1, len(prev), 2))
+        group = [draft_ids[i].tolist() if i % 2 == 0 else [] for i in range(len(prev))]
+        model = ModelDrafts([draft_ids[i].tolist() for i in rows], torch.stack(qs, 1)[rows])
+        drafts = RoundDrafts.mixed(group, rows, model)
+        assert drafts.sources[:2] == ["group", "model"] and drafts.probs is not None
+        target = table[torch.cat([prev[:, None], draft_ids], 1)]
+        return accept_drafts(target, draft_ids, torch.full((len(prev),), K), gen, draft_probs=drafts.probs)
+
+    first = mixed_round(torch.full((ROWS,), BOS))
+    t1, t2 = first.tokens[:, 0], first.tokens[:, 1].clone()
+    short = (first.emitted < 2).nonzero().squeeze(-1)
+    second = mixed_round(t1[short])
+    t2[short] = second.tokens[:, 0]
+    assert _chi_square_p(torch.stack([t1, t2], 1), table) > P_VALUE_FLOOR

@@ -278,7 +278,7 @@ async def test_a_distilled_draft_reaches_a_torch_generators_draft_slot(
 
 # --- `rlbus up` starts it only for drafter = "model" ---------------------------------------------------
 
-def test_rlbus_up_starts_the_speculator_only_for_the_model_drafter(draft_dir: Path, tmp_path: Path) -> None:
+def test_rlbus_up_starts_the_speculator_only_for_the_online_drafters(draft_dir: Path, tmp_path: Path) -> None:
     import tomllib
 
     from services.catalog import SINGLETONS, singletons
@@ -286,8 +286,10 @@ def test_rlbus_up_starts_the_speculator_only_for_the_model_drafter(draft_dir: Pa
     from services.up.settings import UpSettings
 
     assert "speculator" not in SINGLETONS and "speculator" not in singletons({})
-    for drafter in ("off", "group", "static"):
+    for drafter in ("off", "group", "static", "static+group"):
         assert "speculator" not in singletons({"generator": {"speculative": {"drafter": drafter}}})
+    # The combined drafter drafts with the online model where the group has no match: it needs the speculator.
+    assert singletons({"generator": {"speculative": {"drafter": "model+group"}}})[-1] == "speculator"
     data = {"generator": {"speculative": {"drafter": "model", "draft_model_path": str(draft_dir)}}}
     assert singletons(data)[-1] == "speculator" and set(SINGLETONS) < set(singletons(data))
     resolved = write_resolved_config(data, RunSettings(run=RUN), UpSettings(), tmp_path, "nats://127.0.0.1:1",

@@ -1,4 +1,5 @@
-"""``rlbus up`` with drafter "model" or "static" and no draft folder builds the draft from the policy
+"""``rlbus up`` with a drafter that uses a draft model ("model", "static", "model+group",
+"static+group") and no draft folder builds the draft from the policy
 into the run folder (``rlbus init-draft``), so the speculative run starts with one config line."""
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ def test_up_builds_the_draft_only_when_a_drafter_needs_one(tiny_model: Path, tmp
     policy, _ = load_policy(str(tiny_model))
     assert draft.config.num_hidden_layers == 1 < policy.config.num_hidden_layers
     assert SpeculativeOptions(drafter="model", draft_model_path=path).draft_model_path == path  # the generator takes it
+    combined = {"generator": {"speculative": {"drafter": "model+group"}}}
+    ensure_draft(combined, tiny_model, tmp_path)  # the folder built above is reused
+    assert combined["generator"]["speculative"]["draft_model_path"] == path
     for kept in ({"generator": {"speculative": {"drafter": "group"}}},
-                 {"generator": {"speculative": {"drafter": "static", "draft_model_path": "mine"}}}, {}):
+                 {"generator": {"speculative": {"drafter": "static", "draft_model_path": "mine"}}},
+                 {"generator": {"speculative": {"drafter": "static+group", "draft_model_path": "mine"}}}, {}):
         before = repr(kept)
         ensure_draft(kept, tiny_model, tmp_path / "other")
         assert repr(kept) == before and not (tmp_path / "other").exists()
