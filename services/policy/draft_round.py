@@ -42,6 +42,8 @@ class RoundDrafts:
     def mixed(cls, group: Sequence[list[int]], model_rows: Sequence[int], model: ModelDrafts) -> RoundDrafts:
         """Rows in `model_rows` take `model`'s proposals (aligned with `model_rows`), every other
         row its `group` proposal as a one-hot distribution."""
+        if len(model_rows) == len(group):  # every row the model's ("model", "static"): its tensor as drawn, no copy
+            return cls([list(d) for d in model.ids], ["model" if d else None for d in model.ids], model.probs)
         ids = [list(g) for g in group]
         sources: list[Source | None] = ["group" if g else None for g in group]
         for m, row in enumerate(model_rows):

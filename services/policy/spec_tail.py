@@ -64,8 +64,6 @@ from services.policy.weight_slot import WeightSlot
 if TYPE_CHECKING:  # the sampler imports this module
     from services.policy.sampler import ModelSlot, _Completions
 
-__all__ = ["MODEL_DRAFTERS", "DrafterName"]  # re-exported: callers that hold a Speculation ask here
-
 
 class SpeculationConfigError(PolicyError):
     """A speculative decoding setting is outside its valid range."""
