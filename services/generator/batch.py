@@ -173,11 +173,12 @@ class BatchDriver:
         return keep
 
     def _one_turn_episode(self, h: Held) -> bool:
-        # Held-out tasks stay here: the batch path samples them on their round's pinned weights.  The
-        # vLLM backend's batch call is already continuously batched inside vLLM (its episode runs last
+        # Held-out tasks stay here: the batch path samples them on their round's pinned weights.  So do
+        # all tasks while a drafter is on: the speculative tail is the batch sampler's.  The vLLM
+        # backend's batch call is already continuously batched inside vLLM (its episode runs last
         # until their longest turn ends, so one-turn episodes would gain nothing there).
         return (self.cfg.single_turn == "episodes" and self.cfg.backend == "torch" and not h.is_eval
-                and not self.episodes.supported())
+                and self.cfg.speculative.drafter == "off" and not self.episodes.supported())
 
     # --- environments ------------------------------------------------------------------------------
     async def _reset(self, held: list[Held]) -> list[Prompted]:

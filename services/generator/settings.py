@@ -84,13 +84,15 @@ class GeneratorSettings(Settings):
     mid_sequence_swap: Literal["next_step", "when_cheaper"] = Field(
         "when_cheaper", description="torch backend: when new weights arrive mid-batch, 'next_step' swaps at the next "
         "decode step (rebuilding in-flight rows' KV under the new weights); 'when_cheaper' does so only while the "
-        "tokens left to decode outnumber the prefix to rebuild, else the batch finishes on its weights.")
+        "tokens left to decode outnumber the prefix to rebuild, else the batch finishes on its weights.  (The "
+        "episode engine swaps between its runs of 8 decode steps, rebuilding its rows' KV.)")
     single_turn: Literal["batch", "episodes"] = Field(
-        "batch", description="torch backend: where single-turn training tasks are sampled: 'batch' in "
-        "batch-synchronous calls (a batch waits for its slowest row); 'episodes' on the episode engine as one-turn "
-        "episodes (continuous batching: a finished group's room is refilled at once).  Held-out tasks stay on the "
-        "batch path, which samples them on their round's pinned weights; the vLLM backend batches continuously "
-        "inside its own calls either way.  See README 'Episodes and environments'.")
+        "episodes", description="torch backend: where single-turn training tasks are sampled: 'episodes' on the "
+        "episode engine as one-turn episodes (continuous batching: a finished group's room is refilled at once); "
+        "'batch' in batch-synchronous calls (a batch waits for its slowest row).  Held-out tasks stay on the batch "
+        "path, which samples them on their round's pinned weights, and so do all single-turn tasks while a "
+        "[generator.speculative] drafter is on (the speculative tail is the batch sampler's); the vLLM backend "
+        "batches continuously inside its own calls either way.  See README 'Episodes and environments'.")
     eval_weights: Literal["pinned", "live"] = Field(
         "pinned", description="Held-out rounds: 'pinned' samples each round at exactly the version it was scheduled "
         "at, on a second copy of the model (torch backend; twice the weight memory); 'live' samples on the moving "
@@ -115,4 +117,9 @@ class GeneratorSettings(Settings):
                 "drafter = \"off\" with backend = \"vllm\", or backend = \"torch\". (vLLM's own n-gram drafting would "
                 "need its speculative_config = {method = \"ngram\", num_speculative_tokens = k, prompt_lookup_max, "
                 "prompt_lookup_min} at engine start; rlbus does not pass it yet)")
+        if self.speculative.drafter != "off" and self.single_turn == "episodes" and "single_turn" in self.model_fields_set:
+            raise ValueError(
+                f"[generator] single_turn = \"episodes\" with [generator.speculative] drafter = "
+                f"{self.speculative.drafter!r}: the speculative tail drafts inside the batch sampler only, so set "
+                "single_turn = \"batch\" (what a drafter uses when single_turn is not set) or drafter = \"off\"")
         return self

@@ -334,7 +334,7 @@ async def test_a_backend_that_batches_by_itself_plays_episodes_through_sampled_t
 async def test_single_turn_tasks_play_as_one_turn_episodes_and_held_out_ones_stay_on_the_batch_path(
         tmp_path: Path) -> None:
     backend = EpisodeBackend()
-    async with Harness(tmp_path, backend=backend, pools=("train", "eval"), single_turn="episodes") as h:
+    async with Harness(tmp_path, backend=backend, pools=("train", "eval")) as h:  # single_turn's default
         steps: list[bytes] = []
 
         async def step(data: bytes) -> bytes:
@@ -359,6 +359,21 @@ async def test_single_turn_tasks_play_as_one_turn_episodes_and_held_out_ones_sta
         # Held-out tasks: the batch sampler's tokens ([7, 8]), so they ran on the pinned path.
         assert {tuple(r.token_ids.tolist()) for r in by_pool["eval"].rollouts} == {(1, 2, 3, 7, 8)}
         assert backend.calls == [2]
+
+
+@pytest.mark.parametrize("gen", [{"single_turn": "batch"}, {"speculative": {"drafter": "group"}}],
+                         ids=["batch", "drafter-on"])
+async def test_single_turn_tasks_stay_on_the_batch_sampler_when_asked_or_while_a_drafter_is_on(
+        tmp_path: Path, gen: dict[str, Any]) -> None:
+    # The speculative tail drafts inside the batch sampler only: with a drafter on, single_turn's
+    # default ("episodes") must not take the tasks away from it.
+    backend = EpisodeBackend()
+    async with Harness(tmp_path, backend=backend, **gen) as h:
+        await h.tasks("train", 3)
+        await h.admit(3)
+        await eventually(lambda: h.published() == Counter(train=3), what="every group published")
+        assert {tuple(r.token_ids.tolist()) for g in h.groups() for r in g.rollouts} == {(1, 2, 3, 7, 8)}
+        assert sum(backend.calls) == 3 and not backend.engine.finals, "no row on the episode engine"
 
 
 async def test_the_slowdown_stretches_episode_engine_runs_too(tmp_path: Path) -> None:

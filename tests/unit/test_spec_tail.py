@@ -220,6 +220,13 @@ def test_settings_validation_says_the_fix(monkeypatch) -> None:
     with pytest.raises(ConfigError) as info:
         load_section(GeneratorSettings, {"generator": {"speculative": {"drafter": "medusa"}}}, "generator")
     assert "[generator.speculative] drafter" in str(info.value)
+    # The tail is the batch sampler's: asking for single-turn episodes with a drafter on says which to drop.
+    with pytest.raises(ConfigError) as info:
+        load_section(GeneratorSettings, {"generator": {"single_turn": "episodes", "speculative": {"drafter": "group"}}},
+                     "generator")
+    assert 'single_turn = "batch"' in str(info.value) and 'drafter = "off"' in str(info.value)
+    drafting = load_section(GeneratorSettings, {"generator": {"speculative": {"drafter": "group"}}}, "generator")
+    assert drafting.single_turn == "episodes"  # the default stands; the batch driver keeps the tasks (test_generator_episodes)
     with pytest.raises(ConfigError) as info:
         load_section(GeneratorSettings, {"generator": {"speculative": {"tail_rows": 0}}}, "generator")
     assert "[generator.speculative] tail_rows" in str(info.value) and "rows" in str(info.value)
