@@ -48,9 +48,11 @@ GEN_PHASES = ("grant_wait", "take", "env", "sample", "publish")
 def idle_breakdown(logs: Path) -> dict[str, object]:
     """What the trainer waited for: each of its waits (trainer.log ``idle``) laid over what the
     generators were doing at the time (generator-*.log ``batch``: grant wait, task take,
-    environment reset, sampling, publishing; outside any batch: nothing in hand).  Seconds of
-    trainer wait per generator phase, as shares of all the wait, and the groups that arrived
-    during the waits by what became of them (``train``, ``filtered``, ``stale`` ...)."""
+    environment reset, sampling, publishing; outside any batch: nothing in hand; and ``episodes_busy``:
+    the episode engine decoding, which runs beside the batch driver, so its share overlaps the
+    others' and the shares can sum past 1).  Seconds of trainer wait per generator phase, as shares
+    of all the wait, and the groups that arrived during the waits by what became of them (``train``,
+    ``filtered``, ``stale`` ...)."""
     phases: list[tuple[float, float, str]] = []
     for path in sorted(logs.glob("generator-*.log")):
         for b in _lines(path, "batch"):
@@ -59,8 +61,11 @@ def idle_breakdown(logs: Path) -> dict[str, object]:
                 d = float(b.get(f"{name}_s", 0.0))  # type: ignore[arg-type]
                 phases.append((t, t + d, name))
                 t += d
+        for b in _lines(path, "episodes_busy"):  # the episode engine's runs (one-turn episodes by default)
+            t = float(b["started"])  # type: ignore[arg-type]
+            phases.append((t, t + float(b["sample_s"]), "episodes"))  # type: ignore[arg-type]
     waits = _lines(logs / "trainer.log", "idle")
-    seconds = dict.fromkeys((*GEN_PHASES, "no_batch"), 0.0)
+    seconds = dict.fromkeys((*GEN_PHASES, "episodes", "no_batch"), 0.0)
     arrivals: dict[str, int] = {}
     for w in waits:
         a = float(w["started"])  # type: ignore[arg-type]

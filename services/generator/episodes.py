@@ -169,6 +169,32 @@ class EpisodeCounters:
                 **{f"generator/episodes_ended_{r}": n for r, n in self.ended.items()}}
 
 
+class BusySpans:
+    """The engine's runs merged into spans of sampling, logged as ``episodes_busy`` (``started``, epoch
+    seconds, and ``sample_s``): `bench/pipeline_bench.py` lays the trainer's idle intervals over them as
+    it does over a batch's phases.  Runs less than ``GAP_S`` apart merge; a span is logged when a gap
+    ends it or once it is ``MAX_S`` long, so a busy engine logs about one line per ``MAX_S``."""
+
+    GAP_S = 0.05
+    MAX_S = 2.0
+
+    def __init__(self) -> None:
+        self.started: float | None = None
+        self.ended = 0.0
+
+    def ran(self, started: float, ended: float) -> None:
+        if self.started is not None and (started - self.ended > self.GAP_S or self.ended - self.started >= self.MAX_S):
+            self.flush()
+        if self.started is None:
+            self.started = started
+        self.ended = ended
+
+    def flush(self) -> None:
+        if self.started is not None:
+            log.info("episodes_busy", started=round(self.started, 4), sample_s=round(self.ended - self.started, 4))
+            self.started = None
+
+
 class EpisodeDriver:
     """Plays episodic tasks handed over by the batch driver (see the module docstring)."""
 
@@ -194,6 +220,7 @@ class EpisodeDriver:
         self._exact_pending: list[Episode] = []  # ended, awaiting their whole-sequence recompute
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
+        self.busy = BusySpans()
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(zlib.crc32(f"{cfg.seed}/{cfg.instance}/episodes".encode()))
 
@@ -242,21 +269,25 @@ class EpisodeDriver:
                 if self._exact_pending:
                     await self._make_exact()
                 if not self._decoding:
+                    self.busy.flush()
                     self._wake.clear()
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(self.IDLE_WAIT_S):
                             await self._wake.wait()
                     continue
+                started = time.time()
                 try:
                     finished = await asyncio.to_thread(self._run)
                 except Exception as exc:  # noqa: BLE001 - a backend failure hands the tasks back, never kills the service
                     await self._hand_back_playing(f"{type(exc).__name__}: {exc}")
                     continue
+                self.busy.ran(started, time.time())
                 for key, turn in finished:
                     self._decoding.discard(key)
                     if (ep := self._find(key)) is not None:
                         self._spawn(self._after_turn(ep, turn))
         finally:
+            self.busy.flush()
             await self._hand_back_unfinished()
 
     def _run(self) -> list[tuple[str, Any]]:

@@ -42,3 +42,35 @@ def test_each_wait_is_split_by_what_the_generator_was_doing(tmp_path: Path) -> N
 def test_no_logs_gives_an_empty_breakdown(tmp_path: Path) -> None:
     out = idle_breakdown(tmp_path)
     assert out["waits"] == 0 and out["wait_s_total"] == 0 and out["groups_arriving_during_waits"] == {}
+
+
+def test_the_episode_engines_busy_spans_count_as_sampling(tmp_path: Path) -> None:
+    # One-turn episodes play on the engine beside the batch driver: a wait with no batch phase over
+    # it but the engine decoding is "episodes", not "no_batch".
+    _write(tmp_path / "generator-0.log", [
+        {"event": "batch", "started": 100.0, "grant_wait_s": 0.0, "take_s": 0.1, "env_s": 0.1, "sample_s": 0.0, "publish_s": 0.0},
+        {"event": "episodes_busy", "started": 100.5, "sample_s": 0.7},
+    ])
+    _write(tmp_path / "trainer.log", [{"event": "idle", "started": 100.0, "wait_s": 1.5}])
+    seconds = {k: v * 1.5 for k, v in idle_breakdown(tmp_path)["share_by_generator_phase"].items()}  # type: ignore[union-attr]
+    assert seconds["episodes"] == pytest.approx(0.7, abs=0.01)
+    assert seconds["no_batch"] == pytest.approx(0.6, abs=0.01)  # 1.5 - 0.2 (take, env) - 0.7
+
+
+def test_engine_runs_merge_into_spans_logged_at_a_gap_or_at_their_longest(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.generator import episodes
+
+    logged: list[dict[str, object]] = []
+    monkeypatch.setattr(episodes.log, "info", lambda event, **kw: logged.append({"event": event, **kw}))
+    spans = episodes.BusySpans()
+    spans.ran(10.0, 10.2)
+    spans.ran(10.21, 10.4)  # 10 ms later: the same span
+    assert logged == []
+    spans.ran(11.0, 11.1)  # after a 0.6 s gap: the first span is logged
+    assert logged == [{"event": "episodes_busy", "started": 10.0, "sample_s": 0.4}]
+    for i in range(30):  # back to back for 3 s: logged once it is MAX_S long
+        spans.ran(11.1 + 0.1 * i, 11.2 + 0.1 * i)
+    assert len(logged) == 2 and logged[1]["sample_s"] == pytest.approx(episodes.BusySpans.MAX_S, abs=0.11)
+    spans.flush()
+    spans.flush()  # nothing open: nothing more
+    assert len(logged) == 3 and sum(float(e["sample_s"]) for e in logged[1:]) == pytest.approx(3.1, abs=0.01)  # type: ignore[arg-type]
