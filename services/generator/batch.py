@@ -170,6 +170,7 @@ class BatchDriver:
             else:
                 self.traces.outcome(h, "episodes")
                 self.episodes.admit(h, prompt, self.traces.detach(h), episodic=episodic)
+                self.gen.hand_over(1)
         return keep
 
     def _one_turn_episode(self, h: Held) -> bool:

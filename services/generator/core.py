@@ -69,8 +69,8 @@ class Generator:
         self.published = 0
         self.eval_published = 0
         self.published_by_pool: Counter[str] = Counter()
-        self.in_flight = 0  # tasks of the batch being driven now
-        self.episode_tasks = 0  # episodic tasks handed to the episode driver and not settled yet
+        self.in_flight = 0  # tasks of the batch being driven now, until handed to the episode driver
+        self.episode_tasks = 0  # tasks handed to the episode driver (episodic or one-turn), not settled yet
         self.batches = 0
         self.dead = 0  # tasks and weight versions dead-lettered
         self.redelivered = 0  # tasks received again (another replica died or timed out holding them)
@@ -198,6 +198,10 @@ class Generator:
     def end_batch(self) -> None:
         self.in_flight = 0
 
+    def hand_over(self, n_tasks: int) -> None:
+        """Tasks of the batch handed to the episode driver: counted in ``episode_tasks`` from now on."""
+        self.in_flight = max(self.in_flight - n_tasks, 0)
+
     def note_published(self, n_train: int, n_eval: int, by_pool: Counter[str] | None = None) -> None:
         self.published += n_train
         self.eval_published += n_eval
@@ -296,7 +300,7 @@ class Generator:
         return {GeneratorKeys.GROUPS_STARTED: self.started, GeneratorKeys.GROUPS_PUBLISHED: self.published,
                 GeneratorKeys.GRANT_TOTAL: min(self.grant_total, 1 << 40), GeneratorKeys.GROUPS_PER_S: rate,
                 GeneratorKeys.CONCURRENCY: self.batch_cap,
-                "generator/eval_groups_published": self.eval_published, "generator/in_flight": self.in_flight,
+                "generator/eval_groups_published": self.eval_published, "generator/in_flight": self.in_flight + self.episode_tasks,
                 "generator/dead_lettered": self.dead, "generator/episode_tasks": self.episode_tasks, "generator/paused": float(self.paused),
                 "generator/min_version": self.min_version, "generator/tasks_redelivered": self.redelivered,
                 "generator/slowdown": float(getattr(self.backend, "slowdown", 1.0)),

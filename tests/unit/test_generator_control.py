@@ -112,3 +112,18 @@ def test_a_decision_found_on_another_subject_is_misplaced() -> None:
     evaluate = ctl(1, Evaluate(version=1, tasks=1), "all")
     assert f.misplaced(evaluate, s.control_action("generator", "all", "evaluate")) == ""
     assert "not for generators" in f.misplaced(ctl(1, SetMix(mix={"a": 1.0})), own)
+
+
+def test_in_flight_counts_the_batch_and_the_tasks_handed_to_the_episode_driver_once() -> None:
+    # One-turn episodes are the default: a heartbeat that counted only the batch driver's tasks would
+    # read 0 while the episode engine plays every group (the controller e2e waits on this metric).
+    g = core()
+    g.begin_batch(n_train=3, n_tasks=3, redelivered=0)
+    assert g.metrics()["generator/in_flight"] == 3
+    g.hand_over(2)
+    g.episode_tasks = 2  # what the episode driver sets as it admits them
+    assert g.metrics()["generator/in_flight"] == 3, "each task counted once, wherever it is"
+    g.end_batch()
+    assert g.metrics()["generator/in_flight"] == 2 and g.metrics()["generator/episode_tasks"] == 2
+    g.hand_over(5)
+    assert g.in_flight == 0, "never below zero"
