@@ -43,14 +43,20 @@ def _lines(path: Path, name: str) -> list[dict[str, object]]:
 
 
 GEN_PHASES = ("grant_wait", "take", "env", "sample", "publish")
+# Spans a generator logs beside its batches (services/generator/spans.py): the episode engine decoding
+# (one-turn episodes by default), and the batch driver finding nothing to take: its admission grant
+# used up, its concurrency cap full (groups still playing), or room but no task queued.
+SPAN_PHASES = {"episodes_busy": "episodes", "generator_no_grant": "no_grant", "generator_cap_full": "cap_full",
+               "generator_no_tasks": "no_tasks"}
 
 
 def idle_breakdown(logs: Path) -> dict[str, object]:
     """What the trainer waited for: each of its waits (trainer.log ``idle``) laid over what the
     generators were doing at the time (generator-*.log ``batch``: grant wait, task take,
-    environment reset, sampling, publishing; outside any batch: nothing in hand; and ``episodes_busy``:
-    the episode engine decoding, which runs beside the batch driver, so its share overlaps the
-    others' and the shares can sum past 1).  Seconds of trainer wait per generator phase, as shares
+    environment reset, sampling, publishing; outside any batch: nothing in hand; and the spans of
+    SPAN_PHASES: the episode engine decoding, which runs beside the batch driver, so its share
+    overlaps the others' and the shares can sum past 1, and loop turns that took nothing for want
+    of room or of tasks).  Seconds of trainer wait per generator phase, as shares
     of all the wait, and the groups that arrived during the waits by what became of them (``train``,
     ``filtered``, ``stale`` ...)."""
     phases: list[tuple[float, float, str]] = []
@@ -61,11 +67,12 @@ def idle_breakdown(logs: Path) -> dict[str, object]:
                 d = float(b.get(f"{name}_s", 0.0))  # type: ignore[arg-type]
                 phases.append((t, t + d, name))
                 t += d
-        for b in _lines(path, "episodes_busy"):  # the episode engine's runs (one-turn episodes by default)
-            t = float(b["started"])  # type: ignore[arg-type]
-            phases.append((t, t + float(b["sample_s"]), "episodes"))  # type: ignore[arg-type]
+        for event, name in SPAN_PHASES.items():
+            for b in _lines(path, event):
+                t = float(b["started"])  # type: ignore[arg-type]
+                phases.append((t, t + float(b["span_s"]), name))  # type: ignore[arg-type]
     waits = _lines(logs / "trainer.log", "idle")
-    seconds = dict.fromkeys((*GEN_PHASES, "episodes", "no_batch"), 0.0)
+    seconds = dict.fromkeys((*GEN_PHASES, *SPAN_PHASES.values(), "no_batch"), 0.0)
     arrivals: dict[str, int] = {}
     for w in waits:
         a = float(w["started"])  # type: ignore[arg-type]

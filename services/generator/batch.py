@@ -31,6 +31,7 @@ from services.generator.episodes import EpisodeDriver
 from services.generator.intake import TASK_MAX_DELIVER, Held, TaskIntake
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
+from services.generator.spans import LoggedSpans
 from services.generator.status import Status
 from services.generator.traces import BatchTraces
 from services.generator.weight_follower import WeightFollower
@@ -67,6 +68,9 @@ class BatchDriver:
         self.traces = BatchTraces([])  # the spans of the batch being driven, in each task's trace
         self._episodic: set[int] = set()  # id() of the batch's tasks whose reset said they are episodic
         self._waited: dict[str, float] = {}  # when the batch's loop turn began, its grant wait and take
+        # Loop turns that took nothing, by why (bench/pipeline_bench.py lays the trainer's waits over them):
+        # the admission grant used up, the concurrency cap full (groups still playing), or no task queued.
+        self._took_nothing = {why: LoggedSpans(f"generator_{why}") for why in ("no_grant", "cap_full", "no_tasks")}
 
     async def loop(self) -> None:
         while not self.life.stopping.is_set():
@@ -75,6 +79,7 @@ class BatchDriver:
             started, t0 = time.time(), time.perf_counter()
             await self.intake.wait_for_fuller_grant(self.cfg.min_batch_groups, self.cfg.batch_wait_s)
             t_take = time.perf_counter()
+            why = "no_tasks" if self.gen.room else "no_grant" if not self.gen.budget else "cap_full"
             held = await self.intake.take()
             if held:
                 self._waited = {"started": round(started, 4), "grant_wait_s": round(t_take - t0, 4),
@@ -82,6 +87,9 @@ class BatchDriver:
                 await self.drive(held)
             else:
                 await self._idle()
+                self._took_nothing[why].ran(started, time.time())
+        for spans in self._took_nothing.values():
+            spans.flush()
 
     async def _idle(self) -> None:
         # Nothing in hand: swap staged weights in now instead of at the next batch's first decode step.

@@ -52,6 +52,7 @@ from services.generator.core import Generator
 from services.generator.intake import Held
 from services.generator.publisher import Publisher
 from services.generator.settings import GeneratorSettings
+from services.generator.spans import LoggedSpans
 from services.generator.status import Status
 from services.generator.traces import BatchTraces
 from services.policy.sampler import SampleOut
@@ -169,32 +170,6 @@ class EpisodeCounters:
                 **{f"generator/episodes_ended_{r}": n for r, n in self.ended.items()}}
 
 
-class BusySpans:
-    """The engine's runs merged into spans of sampling, logged as ``episodes_busy`` (``started``, epoch
-    seconds, and ``sample_s``): `bench/pipeline_bench.py` lays the trainer's idle intervals over them as
-    it does over a batch's phases.  Runs less than ``GAP_S`` apart merge; a span is logged when a gap
-    ends it or once it is ``MAX_S`` long, so a busy engine logs about one line per ``MAX_S``."""
-
-    GAP_S = 0.05
-    MAX_S = 2.0
-
-    def __init__(self) -> None:
-        self.started: float | None = None
-        self.ended = 0.0
-
-    def ran(self, started: float, ended: float) -> None:
-        if self.started is not None and (started - self.ended > self.GAP_S or self.ended - self.started >= self.MAX_S):
-            self.flush()
-        if self.started is None:
-            self.started = started
-        self.ended = ended
-
-    def flush(self) -> None:
-        if self.started is not None:
-            log.info("episodes_busy", started=round(self.started, 4), sample_s=round(self.ended - self.started, 4))
-            self.started = None
-
-
 class EpisodeDriver:
     """Plays episodic tasks handed over by the batch driver (see the module docstring)."""
 
@@ -220,7 +195,7 @@ class EpisodeDriver:
         self._exact_pending: list[Episode] = []  # ended, awaiting their whole-sequence recompute
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
-        self.busy = BusySpans()
+        self.busy = LoggedSpans("episodes_busy")  # the engine decoding (bench/pipeline_bench.py)
         self._rng = torch.Generator(device="cpu")
         self._rng.manual_seed(zlib.crc32(f"{cfg.seed}/{cfg.instance}/episodes".encode()))
 

@@ -49,28 +49,30 @@ def test_the_episode_engines_busy_spans_count_as_sampling(tmp_path: Path) -> Non
     # it but the engine decoding is "episodes", not "no_batch".
     _write(tmp_path / "generator-0.log", [
         {"event": "batch", "started": 100.0, "grant_wait_s": 0.0, "take_s": 0.1, "env_s": 0.1, "sample_s": 0.0, "publish_s": 0.0},
-        {"event": "episodes_busy", "started": 100.5, "sample_s": 0.7},
+        {"event": "episodes_busy", "started": 100.5, "span_s": 0.7},
+        {"event": "generator_no_grant", "started": 101.2, "span_s": 0.2},
     ])
     _write(tmp_path / "trainer.log", [{"event": "idle", "started": 100.0, "wait_s": 1.5}])
     seconds = {k: v * 1.5 for k, v in idle_breakdown(tmp_path)["share_by_generator_phase"].items()}  # type: ignore[union-attr]
     assert seconds["episodes"] == pytest.approx(0.7, abs=0.01)
-    assert seconds["no_batch"] == pytest.approx(0.6, abs=0.01)  # 1.5 - 0.2 (take, env) - 0.7
+    assert seconds["no_grant"] == pytest.approx(0.2, abs=0.01)  # the batch driver's grant was used up
+    assert seconds["no_batch"] == pytest.approx(0.4, abs=0.01)  # 1.5 - 0.2 (take, env) - 0.7 - 0.2
 
 
 def test_engine_runs_merge_into_spans_logged_at_a_gap_or_at_their_longest(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.generator import episodes
+    from services.generator import spans as module
 
     logged: list[dict[str, object]] = []
-    monkeypatch.setattr(episodes.log, "info", lambda event, **kw: logged.append({"event": event, **kw}))
-    spans = episodes.BusySpans()
+    monkeypatch.setattr(module.log, "info", lambda event, **kw: logged.append({"event": event, **kw}))
+    spans = module.LoggedSpans("episodes_busy")
     spans.ran(10.0, 10.2)
     spans.ran(10.21, 10.4)  # 10 ms later: the same span
     assert logged == []
     spans.ran(11.0, 11.1)  # after a 0.6 s gap: the first span is logged
-    assert logged == [{"event": "episodes_busy", "started": 10.0, "sample_s": 0.4}]
+    assert logged == [{"event": "episodes_busy", "started": 10.0, "span_s": 0.4}]
     for i in range(30):  # back to back for 3 s: logged once it is MAX_S long
         spans.ran(11.1 + 0.1 * i, 11.2 + 0.1 * i)
-    assert len(logged) == 2 and logged[1]["sample_s"] == pytest.approx(episodes.BusySpans.MAX_S, abs=0.11)
+    assert len(logged) == 2 and logged[1]["span_s"] == pytest.approx(module.LoggedSpans.MAX_S, abs=0.11)
     spans.flush()
     spans.flush()  # nothing open: nothing more
-    assert len(logged) == 3 and sum(float(e["sample_s"]) for e in logged[1:]) == pytest.approx(3.1, abs=0.01)  # type: ignore[arg-type]
+    assert len(logged) == 3 and sum(float(e["span_s"]) for e in logged[1:]) == pytest.approx(3.1, abs=0.01)  # type: ignore[arg-type]
