@@ -193,6 +193,7 @@ class EpisodeDriver:
         self._ops: list[tuple[list[str], Callable[[Any], None]]] = []
         self._decoding: set[str] = set()  # rows with a turn in progress
         self._exact_pending: list[Episode] = []  # ended, awaiting their whole-sequence recompute
+        self._settling: list[GroupRun] = []  # finished groups of the current run, settled together
         self._tasks: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         self.busy = LoggedSpans("episodes_busy")  # the engine decoding (bench/pipeline_bench.py)
@@ -461,22 +462,39 @@ class EpisodeDriver:
                 await self._settle(group)
 
     async def _settle(self, group: GroupRun) -> None:
-        task = group.held.task
+        """Publish a finished group and ack its task.  The groups that finish in one engine run settle
+        together, in one publish and one round of acks as a batch does (one-turn episodes finish a
+        whole wave in a run): the first to get here yields once, so the others of its run join it."""
+        self._settling.append(group)
+        if len(self._settling) > 1:
+            return  # the first group of this run settles this one with it
+        await asyncio.sleep(0)
+        groups, self._settling = self._settling, []
+        await self._settle_now(groups)
+
+    async def _settle_now(self, groups: list[GroupRun]) -> None:
         decode = self.gen.backend.decode
-        rollouts = [e.rollout(group.prompt, decode(e.ids), self.cfg.instance) for e in group.episodes]
-        rg = RolloutGroup(task=task, rollouts=rollouts, sampling=task.sampling, generator_id=self.cfg.instance,
-                          created_at=time.time())
-        group.traces.sampled(group.held, rg)
+        published: list[RolloutGroup] = []
+        for group in groups:
+            task = group.held.task
+            rollouts = [e.rollout(group.prompt, decode(e.ids), self.cfg.instance) for e in group.episodes]
+            rg = RolloutGroup(task=task, rollouts=rollouts, sampling=task.sampling, generator_id=self.cfg.instance,
+                              created_at=time.time())
+            group.traces.sampled(group.held, rg)
+            published.append(rg)
         try:
-            await self.publisher.settle([group.held], [rg], traces=group.traces.headers([group.held]))
-        except BusError as exc:  # the server stayed away past publish_outage_s: the task comes back later
-            log.warning("episode_group_unpublished", task_id=task.task_id, error=str(exc))
-            with contextlib.suppress(BusError):
-                await group.held.delivery.nak(delay=self.SAMPLING_RETRY_S, error=f"publishing failed: {exc}")
-            self.gen.give_back(int(not group.held.is_eval))
+            await self.publisher.settle([g.held for g in groups], published,
+                                        traces=[h for g in groups for h in g.traces.headers([g.held])])
+        except BusError as exc:  # the server stayed away past publish_outage_s: the tasks come back later
+            log.warning("episode_group_unpublished", task_ids=[g.held.task.task_id for g in groups], error=str(exc))
+            for group in groups:
+                with contextlib.suppress(BusError):
+                    await group.held.delivery.nak(delay=self.SAMPLING_RETRY_S, error=f"publishing failed: {exc}")
+                self.gen.give_back(int(not group.held.is_eval))
         finally:
-            group.traces.end()
-            self.groups.pop(task.task_id, None)
+            for group in groups:
+                group.traces.end()
+                self.groups.pop(group.held.task.task_id, None)
             self.gen.episode_tasks = len(self.groups)
             self.status.changed()  # wakes the batch driver: there is room again
 

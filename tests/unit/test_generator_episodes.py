@@ -376,6 +376,55 @@ async def test_single_turn_tasks_stay_on_the_batch_sampler_when_asked_or_while_a
         assert sum(backend.calls) == 3 and not backend.engine.finals, "no row on the episode engine"
 
 
+async def test_groups_that_finish_in_one_engine_run_settle_in_one_publish(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # One-turn episodes end a whole wave in one run: settling each group alone cost a publish round
+    # trip and an ack round per group while the concurrency cap stayed full.
+    from services.generator.publisher import Publisher
+
+    sizes: list[int] = []
+    settle = Publisher.settle
+
+    async def counted(self: Publisher, held: list[Any], groups: list[Any], **kw: Any) -> None:
+        sizes.append(len(held))
+        await settle(self, held, groups, **kw)
+
+    monkeypatch.setattr(Publisher, "settle", counted)
+    backend = EpisodeBackend()
+    async with Harness(tmp_path, backend=backend) as h:
+        await h.tasks("train", 3)
+        await h.admit(3)
+        await eventually(lambda: h.published() == Counter(train=3), what="every group published")
+        await eventually(lambda: h.waiting("train") == 0, what="every task acked")
+        assert sum(sizes) == 3 and len(sizes) < 3, f"settled in {sizes}: one publish per run, not per group"
+
+
+async def test_a_publish_that_fails_hands_every_group_of_its_run_back_and_they_come_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bus.protocol import BusError
+    from services.generator.episodes import EpisodeDriver
+    from services.generator.publisher import Publisher
+
+    failures = [1]
+    settle = Publisher.settle
+
+    async def flaky(self: Publisher, held: list[Any], groups: list[Any], **kw: Any) -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise BusError("the server stayed away past publish_outage_s")
+        await settle(self, held, groups, **kw)
+
+    monkeypatch.setattr(Publisher, "settle", flaky)
+    monkeypatch.setattr(EpisodeDriver, "SAMPLING_RETRY_S", 0.1)
+    async with Harness(tmp_path, backend=EpisodeBackend()) as h:
+        await h.tasks("train", 3)
+        await h.admit(6)  # room for the redelivered ones: their first grant was given back
+        await eventually(lambda: h.published() == Counter(train=3), what="every group published once")
+        await eventually(lambda: h.waiting("train") == 0, what="every task acked")
+        assert not failures[0], "the first settle failed"
+        await eventually(lambda: h.metric("generator/episode_tasks") == 0, what="no group left in the driver")
+
+
 async def test_the_slowdown_stretches_episode_engine_runs_too(tmp_path: Path) -> None:
     from services.generator.backend import SampleMeter
 
