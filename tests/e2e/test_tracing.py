@@ -26,11 +26,13 @@ from tests.e2e.otlp import OtlpReceiver, Span
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
-# More tasks than the 3 steps need: a group whose rewards are all equal is filtered (about 1 in 6 at
-# this policy) and one that waited past the bound is dropped as stale, so exactly 6 tasks could starve
-# the trainer.  Tasks the generator never takes (the grant stops growing with the trainer) have only
-# the publisher's root span; every task it took must have the whole connected trace.
-N_TASKS = 16
+# Many more tasks than the 3 steps need: a group whose rewards are all equal is filtered and one that
+# waited past the bound is dropped as stale.  With groups of 4 at the shipped policy (held-out 0.385)
+# most groups are all wrong or all right: 7 of the first 10 were filtered in a run where 16 tasks gave
+# only 5 trainable groups for the 6 needed, and the trainer starved.  Tasks the generator never takes
+# (the grant stops growing with the trainer) have only the publisher's root span; every task it took
+# must have the whole connected trace.
+N_TASKS = 64
 GROUP_SIZE = 4
 BATCH_GROUPS = 2
 STEPS = 3
