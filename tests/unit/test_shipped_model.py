@@ -76,3 +76,17 @@ def test_damaged_shipped_weights_are_refused_with_the_fix(tmp_path: Path, monkey
     monkeypatch.setattr(up_main, "find_shipped", lambda *a: source)
     with pytest.raises(ConfigError, match="git checkout"):
         up_main.ensure_model(tmp_path / "out", UpSettings())
+
+
+def test_init_model_shipped_copies_the_build_and_says_why_when_it_cannot(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from services.commands.init_model import init_model_cmd
+
+    out = tmp_path / "m"
+    assert init_model_cmd(str(out), seed=0, target=0.30, shipped=True) == 0
+    assert weights_digest(out) == json.loads(capsys.readouterr().out)["sha256"]
+    assert init_model_cmd(str(out), seed=0, target=0.30, shipped=True) == 2  # not over a folder without --overwrite
+    assert "--overwrite" in capsys.readouterr().err
+    assert init_model_cmd(str(out), seed=0, target=0.30, shipped=True, overwrite=True) == 0
+    assert init_model_cmd(str(tmp_path / "n"), seed=5, target=0.30, shipped=True) == 2
+    assert "drop --shipped" in capsys.readouterr().err and not (tmp_path / "n").exists()
