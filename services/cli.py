@@ -77,9 +77,6 @@ def _parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0)
     init.add_argument("--target", type=float, default=0.30, help="held-out accuracy at which the warm start stops")
     init.add_argument("--overwrite", action="store_true", help="replace an existing model folder")
-    init.add_argument("--shipped", action="store_true",
-                      help="copy the build shipped with rlbus for this task, seed and target (the one `rlbus up` "
-                           "uses: the same weights on every machine) instead of training one here")
 
     draft = sub.add_parser("init-draft", help="build a draft model (the policy's first layers) for "
                                               "[generator.speculative] drafter = \"model\" or \"static\"")
@@ -131,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from services.commands.init_model import init_model_cmd
 
         return init_model_cmd(args.out or f"models/tiny-{args.task}", seed=args.seed, target=args.target,
-                              overwrite=args.overwrite, task=args.task, shipped=args.shipped)
+                              overwrite=args.overwrite, task=args.task)
     if args.cmd == "init-draft":
         from services.commands.init_model import init_draft_cmd
 

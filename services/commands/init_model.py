@@ -6,12 +6,9 @@ import json
 from pathlib import Path
 
 
-def init_model_cmd(out: str, *, seed: int, target: float, overwrite: bool = False, task: str = "addition",
-                   shipped: bool = False) -> int:
+def init_model_cmd(out: str, *, seed: int, target: float, overwrite: bool = False, task: str = "addition") -> int:
     import sys
 
-    if shipped:
-        return _copy_shipped(Path(out), seed=seed, target=target, overwrite=overwrite, task=task)
     import torch
 
     from services.policy.calc_init import init_calculator_model
@@ -22,29 +19,6 @@ def init_model_cmd(out: str, *, seed: int, target: float, overwrite: bool = Fals
     try:
         info = build(Path(out), seed=seed, warm_start_target=target, overwrite=overwrite)
     except ModelInitError as exc:
-        print(f"rlbus init-model: {exc}", file=sys.stderr)
-        return 2
-    print(json.dumps(info))
-    return 0
-
-
-def _copy_shipped(out: Path, *, seed: int, target: float, overwrite: bool, task: str) -> int:
-    import sys
-
-    from services.policy.shipped import ShippedModelError, copy_shipped, find_shipped
-
-    source = find_shipped(task, seed, target)
-    if source is None:
-        print(f"rlbus init-model: no shipped {task} policy for --seed {seed} --target {target}: drop --shipped "
-              "to build one here", file=sys.stderr)
-        return 2
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        print(f"rlbus init-model: {out} exists and is not empty: pass --overwrite or choose another --out",
-              file=sys.stderr)
-        return 2
-    try:
-        info = copy_shipped(source, out)
-    except ShippedModelError as exc:
         print(f"rlbus init-model: {exc}", file=sys.stderr)
         return 2
     print(json.dumps(info))

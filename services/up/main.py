@@ -21,7 +21,6 @@ from typing import Any
 
 from services.catalog import SERVICES, singletons
 from services.policy.drafter_names import MODEL_DRAFTERS
-from services.policy.shipped import MODEL_INFO_FILE, ShippedModelError, copy_shipped, find_shipped
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 from services.up.procs import Children
 from services.up.settings import UpSettings
@@ -62,7 +61,7 @@ DEFAULT_MODEL_PATHS = {"addition": "models/tiny-addition", "calculator": "models
 def model_task(path: Path) -> str:
     """The task a built model folder was warm-started on (models built before the calculator task
     existed carry no ``task`` key: addition)."""
-    info = path / MODEL_INFO_FILE
+    info = path / "rlbus_model.json"
     return str(json.loads(info.read_text()).get("task", "addition")) if info.exists() else ""
 
 
@@ -73,14 +72,6 @@ def ensure_model(path: Path, up_cfg: UpSettings) -> None:
             raise ConfigError(f"the model at {path} was warm-started on {built_for!r}, but [up] task = "
                               f"{up_cfg.task!r}: set [run] model_path to another folder (e.g. "
                               f"{DEFAULT_MODEL_PATHS[up_cfg.task]!r}) and it is built there")
-        return
-    shipped = find_shipped(up_cfg.task, up_cfg.seed, up_cfg.init_target)
-    if shipped is not None:  # the same starting weights on every machine (services/policy/shipped.py)
-        print(f"rlbus up: copying the shipped warm start {shipped.name} to {path} …", flush=True)
-        try:
-            copy_shipped(shipped, path)
-        except ShippedModelError as exc:
-            raise ConfigError(str(exc)) from exc
         return
     print(f"rlbus up: building the warm-started {up_cfg.task} policy at {path} (once; ~1-2 min) …", flush=True)
     subprocess.run([sys.executable, "-m", "services.cli", "init-model", "--task", up_cfg.task, "--out", str(path),

@@ -27,7 +27,7 @@ from tests.e2e.otlp import OtlpReceiver, Span
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 # Many more tasks than the 3 steps need: a group whose rewards are all equal is filtered and one that
-# waited past the bound is dropped as stale.  With groups of 4 at the shipped policy (held-out 0.385)
+# waited past the bound is dropped as stale.  With groups of 4 at the seed-0 warm start (held-out 0.385)
 # most groups are all wrong or all right: 7 of the first 10 were filtered in a run where 16 tasks gave
 # only 5 trainable groups for the 6 needed, and the trainer starved.  Tasks the generator never takes
 # (the grant stops growing with the trainer) have only the publisher's root span; every task it took
