@@ -200,7 +200,7 @@ class EpisodeEngine:
         self._context: int | None = getattr(config, "max_position_embeddings", None)
         self._vocab: int | None = getattr(config, "vocab_size", None)
         self._stops: dict[tuple[int, ...], frozenset[int]] = {}
-        sliding = [i for i, layer in enumerate(DynamicCache(config=slot.model.config).layers) if layer.is_sliding]
+        sliding = [i for i, layer in enumerate(DynamicCache(config=config).layers) if layer.is_sliding]
         if sliding:
             raise EpisodeEngineError(
                 f"layers {sliding} use sliding-window attention, whose cache the engine cannot split "
