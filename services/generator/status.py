@@ -25,8 +25,12 @@ class Status:
         """Copy the core's state into the next heartbeat (the beat sends on its own period)."""
         self.beat.state = self.gen.state
         self.beat.info = self.gen.info()
-        # The controller holds admission for generators on old weights: say which version is live.
-        self.beat.version = self.gen.backend.version
+        # The controller holds admission for generators on old weights: say which version is live,
+        # at once when it changed (a beat period later, the freed window would wait that long).
+        version = self.gen.backend.version
+        if version != self.beat.version:
+            self.beat.version = version
+            self.beat.soon()
 
     def set_metric(self, key: str, value: float) -> None:
         self.beat.metrics[key] = value

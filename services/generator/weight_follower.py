@@ -108,7 +108,12 @@ class WeightFollower:
         self.status.set_metric("generator/weight_fetch_s" if self.followed.what == "policy"
                                else "generator/draft_fetch_s", fetch_s)
         log.info("weights_staged", model=self.followed.what, version=manifest.version, fetch_s=round(fetch_s, 4))
-        self.status.changed()  # an idle batch loop applies it now; a freshness floor may have opened
+        if self.followed.what == "policy":
+            # Swapped in now (between the engine's runs, or between batches, under the model lock), not
+            # at the next decode step: the controller holds a version's freed admission window until this
+            # generator reports its weights, so one waiting for a fuller grant would otherwise wait on itself.
+            await asyncio.to_thread(self.gen.apply_staged)
+        self.status.changed()  # the heartbeat shows the new version at once; a freshness floor may have opened
 
     async def _refuse(self, d: Delivery[bytes], version: int | None, exc: BaseException) -> None:
         """Keep sampling on the live weights; say which version was refused and why (log, heartbeat,

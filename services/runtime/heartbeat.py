@@ -49,6 +49,7 @@ class Beat:
         self.info: dict[str, Any] = {}
         self.extra: Callable[[], dict[str, float]] | None = None
         self.missed = 0  # beats that could not be published (skipped)
+        self._soon = asyncio.Event()
 
     async def send(self) -> bool:
         """Publish one heartbeat now; False (logged) if it could not be published.  Raises only
@@ -72,10 +73,26 @@ class Beat:
             return False
         return True
 
+    def soon(self) -> None:
+        """Send the next beat now rather than at the end of the period: for a change another service
+        acts on at once (a generator's new weights version opens its admission window)."""
+        self._soon.set()
+
     async def loop(self, life: Lifecycle) -> None:
         while not life.stopping.is_set():
+            self._soon.clear()
             await self.send()
-            if await life.sleep(self.period):
+            if await self._pause(life):
                 break
         self.state = "stopped"
         await self.send()
+
+    async def _pause(self, life: Lifecycle) -> bool:
+        """Wait out the period, or until ``soon``; True when the service should stop."""
+        waits = {asyncio.ensure_future(life.stopping.wait()), asyncio.ensure_future(self._soon.wait())}
+        try:
+            await asyncio.wait(waits, timeout=self.period, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+        return life.stopping.is_set()

@@ -81,3 +81,22 @@ async def test_a_beat_the_schema_refuses_is_skipped_and_the_next_one_goes_out():
     assert await beat.send() is False and beat.missed == 1
     broken = False
     assert await beat.send() is True and len(bus.published) == 1
+
+
+async def test_soon_sends_the_next_beat_without_waiting_out_the_period():
+    """A generator's new weights version opens the controller's admission window: its beat goes out
+    at once, not up to a period later (with a 60 s period only ``soon`` can send the second beat)."""
+    bus = FlakyBus()
+    bus.away = False
+    beat = Beat(bus, Subjects("hb"), "generator", "0", period=60.0)  # type: ignore[arg-type]
+    life = Lifecycle()
+    loop = asyncio.create_task(beat.loop(life))
+    async with asyncio.timeout(10):
+        while not bus.published:
+            await asyncio.sleep(0.01)
+        beat.soon()
+        while len(bus.published) < 2:
+            await asyncio.sleep(0.01)
+    life.shutdown()
+    await asyncio.wait_for(loop, 5)
+    assert len(bus.published) == 3 and beat.state == "stopped"  # the first, the one asked for, the last

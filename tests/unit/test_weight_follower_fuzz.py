@@ -95,10 +95,12 @@ async def test_10k_forged_manifests_are_each_refused_skipped_or_passed_over(tmp_
         await follower.on_manifest(d)  # raising here fails the test: it would kill the generator
         dead, skipped, refused, staged = (gen.dead - before[0], gen.weights_skipped - before[1],
                                           gen.weights_refused - before[2], len(backend.staged) - before[3])
-        if isinstance(item, WeightManifest):  # genuine: staged, then applied as the batch loop would
+        if isinstance(item, WeightManifest):  # genuine: staged, swapped in and shown on the heartbeat at once
             if (dead, skipped, staged) != (0, 0, 1) or backend.staged[-1][0] != item.version:
                 problems.append(f"genuine v{item.version} not staged: dead={dead} skipped={skipped}")
-            backend.apply_staged()
+            if backend.version != item.version or status.beat.version != item.version:
+                problems.append(f"genuine v{item.version} not live at once: backend v{backend.version}, "
+                                f"heartbeat v{status.beat.version}")
             outcomes["genuine_staged"] += 1
             continue
         where = f"{item.msg_id} {item.kind}"
