@@ -432,7 +432,7 @@ class EpisodeDriver:
 
     async def _make_exact(self) -> None:
         """The episodes that ended since the last run get the trainer's logprobs of their whole
-        sequence, in one batched call; then the groups they complete settle.  A failure keeps the
+        sequence, in one batched call; then the groups they complete settle together.  A failure keeps the
         sampled labels (not claimed exact): the groups are published all the same."""
         ended, self._exact_pending = self._exact_pending, []
         mine = [(ep, group) for ep in ended
@@ -458,9 +458,10 @@ class EpisodeDriver:
                 self.counters.recomputed += 1
             else:
                 self.counters.recompute_missed += 1
-        for group in {id(g): g for _, g in mine}.values():
-            if group.done and self.groups.get(group.held.task.task_id) is group:
-                await self._settle(group)
+        finished = [group for group in {id(g): g for _, g in mine}.values()
+                    if group.done and self.groups.get(group.held.task.task_id) is group]
+        if finished:  # in one publish and one round of acks, as the groups of one run settle
+            await self._settle_now(finished)
 
     async def _settle(self, group: GroupRun) -> None:
         """Publish a finished group and ack its task.  The groups that finish in one engine run settle

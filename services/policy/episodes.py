@@ -51,6 +51,7 @@ from services.policy.errors import PolicyError
 from services.policy.logprobs import completion_logprobs
 from services.policy.sampler import FinishReason, ModelSlot, _draw, _stop_ids
 from services.policy.sampling import SamplingParams
+from services.policy.sequences import outside_vocab
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (1, heads, len, head_dim)
 
@@ -216,11 +217,9 @@ class EpisodeEngine:
         return row
 
     def _check_ids(self, what: str, ids: Sequence[int]) -> None:
-        vocab = self._vocab
-        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
+        if (bad := outside_vocab(ids, self._vocab)) is not None:
             raise EpisodeInputError(
-                f"{what} has token id {bad[0]} outside the vocabulary (size {vocab}): "
+                f"{what} has token id {bad} outside the vocabulary (size {self._vocab}): "
                 "encode it with the policy's own tokenizer"
             )
 

@@ -47,6 +47,7 @@ from transformers import DynamicCache, PreTrainedModel
 from services.policy.errors import PolicyError
 from services.policy.logprobs import completion_logprobs
 from services.policy.sampling import SamplingParams, processed_logprobs
+from services.policy.sequences import outside_vocab
 from services.policy.spec_tail import Speculation, TailRows
 
 FinishReason = Literal["stop", "length"]
@@ -108,10 +109,9 @@ def _stop_ids(model: torch.nn.Module, params: SamplingParams) -> list[int]:
 
 def _check_ids(prompts: Sequence[Sequence[int]], vocab_size: int | None) -> None:
     for i, prompt in enumerate(prompts):
-        bad = [t for t in prompt if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
+        if (bad := outside_vocab(prompt, vocab_size)) is not None:
             raise SamplerInputError(
-                f"prompt {i} has token id {bad[0]} outside the vocabulary (size {vocab_size}): "
+                f"prompt {i} has token id {bad} outside the vocabulary (size {vocab_size}): "
                 "encode prompts with the policy's own tokenizer"
             )
 

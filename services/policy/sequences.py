@@ -42,15 +42,20 @@ def attention(model: torch.nn.Module, attn: AttnName) -> Iterator[None]:
         model.set_attn_implementation(previous)  # type: ignore[operator]
 
 
+def outside_vocab(ids: Sequence[int], vocab_size: int | None) -> int | None:
+    """The first token id outside ``[0, vocab_size)`` (a negative id always is), or None: the check
+    the sampler, the episode engine and the scoring functions each run on what they are handed."""
+    return next((int(t) for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+
+
 def check_sequences(sequences: Sequence[PromptCompletion], max_positions: int | None, vocab_size: int | None) -> None:
     """Raise `LogprobInputError` for the first pair the model cannot score: a token id outside
     ``[0, vocab_size)``, an empty prompt, or more than ``max_positions`` tokens.  Every scoring
     function runs it first; a caller may run it to find which of its inputs a failure came from."""
     for i, (prompt, completion) in enumerate(sequences):
-        bad = [t for t in (*prompt, *completion) if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
+        if (bad := outside_vocab([*prompt, *completion], vocab_size)) is not None:
             raise LogprobInputError(
-                f"sequence {i} has token id {bad[0]} outside the vocabulary (size {vocab_size}): "
+                f"sequence {i} has token id {bad} outside the vocabulary (size {vocab_size}): "
                 "was it produced by a different tokenizer?"
             )
         if len(prompt) == 0:
