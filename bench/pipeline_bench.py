@@ -138,7 +138,14 @@ def with_settings(text: str, settings: list[str], *, flag: str) -> str:
         if not table or not name or not value:
             raise SystemExit(f"{flag} {setting!r}: write TABLE.KEY=VALUE, e.g. generator.batch_wait_s=0")
         header = f"[{table}]\n"
-        text = text.replace(header, f"{header}{name} = {value}\n", 1) if header in text else f"{text}{header}{name} = {value}\n"
+        if header not in text:
+            text = f"{text}{header}{name} = {value}\n"
+            continue
+        head, _, rest = text.partition(header)
+        body, nxt, tail = rest.partition("\n[")
+        # A key the base text already sets in that table is replaced, not repeated (TOML refuses a repeat).
+        lines = [line for line in body.splitlines() if line.split("=", 1)[0].strip() != name]
+        text = head + header + "".join(f"{line}\n" for line in [f"{name} = {value}", *lines]) + nxt.lstrip("\n") + tail
     return text
 
 
