@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.pipeline_bench import idle_breakdown
+from bench.pipeline_bench import idle_breakdown, with_settings
 
 
 def _write(path: Path, events: list[dict[str, object]]) -> None:
@@ -76,3 +76,14 @@ def test_engine_runs_merge_into_spans_logged_at_a_gap_or_at_their_longest(monkey
     spans.flush()
     spans.flush()  # nothing open: nothing more
     assert len(logged) == 3 and sum(float(e["span_s"]) for e in logged[1:]) == pytest.approx(3.1, abs=0.01)  # type: ignore[arg-type]
+
+
+def test_a_setting_replaces_the_bench_configs_own_key_and_adds_new_tables() -> None:
+    import tomllib
+
+    base = "[up]\nstop_at_accuracy = 0.0\n[controller]\neval_every = 50\n"
+    text = with_settings(base, ["controller.eval_every=5", "generator.batch_wait_s=0", "up.seed=1"], flag="--with")
+    assert tomllib.loads(text) == {"up": {"stop_at_accuracy": 0.0, "seed": 1}, "controller": {"eval_every": 5},
+                                   "generator": {"batch_wait_s": 0}}
+    with pytest.raises(SystemExit, match="TABLE.KEY=VALUE"):
+        with_settings(base, ["eval_every=5"], flag="--with")
