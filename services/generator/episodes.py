@@ -258,7 +258,7 @@ class EpisodeDriver:
                     await self._hand_back_playing(f"{type(exc).__name__}: {exc}")
                     continue
                 self.busy.ran(started, time.time())
-                self.status.show()  # a version swapped in at the run's start goes out on the heartbeat now
+                self.status.note_version()  # a version swapped in at the run's start goes out on the heartbeat now
                 for key, turn in finished:
                     self._decoding.discard(key)
                     if (ep := self._find(key)) is not None:

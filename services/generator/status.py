@@ -22,11 +22,15 @@ class Status:
         self.show()
 
     def show(self) -> None:
-        """Copy the core's state into the next heartbeat (the beat sends on its own period)."""
+        """Copy the core's state into the next heartbeat (sent on the beat's period, or at once for a new version)."""
         self.beat.state = self.gen.state
         self.beat.info = self.gen.info()
-        # The controller holds admission for generators on old weights: say which version is live,
-        # at once when it changed (a beat period later, the freed window would wait that long).
+        self.note_version()
+
+    def note_version(self) -> None:
+        """The controller holds admission for generators on old weights: say which version is live,
+        at once when it changed (a beat period later, the freed window would wait that long).  Cheap:
+        the episode loop calls it after every engine run."""
         version = self.gen.backend.version
         if version != self.beat.version:
             self.beat.version = version
