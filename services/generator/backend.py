@@ -31,7 +31,8 @@ class Backend(Protocol):
         ...
 
     def apply_staged(self) -> bool:
-        """Apply a staged version now (idle generator); True when the version changed."""
+        """Apply a staged version now (called under the model lock as each version is staged); True when the
+        version changed."""
         ...
 
     def decode(self, ids: list[int]) -> str: ...

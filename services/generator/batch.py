@@ -85,17 +85,11 @@ class BatchDriver:
                 self._waited = {"started": round(started, 4), "grant_wait_s": round(t_take - t0, 4),
                                 "take_s": round(time.perf_counter() - t_take, 4)}
                 await self.drive(held)
-            else:
-                await self._idle()
+            else:  # staged weights need no swap here: the weight follower swaps them in as they arrive
+                await self.status.wait_for_change(self.IDLE_WAIT_S)
                 self._took_nothing[why].ran(started, time.time())
         for spans in self._took_nothing.values():
             spans.flush()
-
-    async def _idle(self) -> None:
-        # Nothing in hand: swap staged weights in now instead of at the next batch's first decode step.
-        if await asyncio.to_thread(self.gen.apply_staged):
-            self.status.show()
-        await self.status.wait_for_change(self.IDLE_WAIT_S)
 
     async def drive(self, held: list[Held]) -> None:
         """One batch, from reset to settled (or handed back).  A task that can never be sampled here

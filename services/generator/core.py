@@ -50,7 +50,7 @@ class Generator:
         self.backend = backend
         self.cfg = cfg
         # One worker thread at a time uses the model: the batch sampler, the episode engine and the
-        # idle weight swap run in different threads, and a swap during another's forward would mix versions.
+        # weight follower's swap run in different threads, and a swap during another's forward would mix versions.
         self.model_lock = threading.Lock()
         self.boot = uuid.uuid4().hex[:8]
         # --- the controller's decisions --------------------------------------------------------
@@ -232,7 +232,8 @@ class Generator:
         return int(v) if isinstance(v, int) and v >= 0 else None
 
     def apply_staged(self) -> bool:
-        """Blocking: swap staged weights in now (an idle generator); True when the version changed."""
+        """Blocking: swap staged weights in now, between other users of the model (the weight follower, as each
+        version is staged); True when the version changed."""
         with self.model_lock:
             return self.backend.apply_staged()
 
