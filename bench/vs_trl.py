@@ -487,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     log(f"work dir {work}")
-    info_file = model / "rlbus_model.json"
+    from services.policy.model_info import MODEL_INFO_FILE
+
+    info_file = model / MODEL_INFO_FILE
     info = json.loads(info_file.read_text()) if info_file.exists() else {}
     result: dict[str, Any] = {
         "bench": "vs_trl",

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
+from services.policy.model_info import MODEL_INFO_FILE
 from services.policy.model_init import (
     ADAM_BETAS,
     BATCH_SIZE,
-    MODEL_INFO_FILE,
     WARMUP_STEPS,
     Log,
     ModelInitError,

@@ -25,6 +25,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from services.policy.errors import PolicyError
+from services.policy.model_info import MODEL_INFO_FILE
 from services.policy.sampler import GroupSampler, StaticSlot
 from services.policy.sampling import SamplingParams
 from services.policy.tokenizer import build_char_tokenizer, encode_prompt
@@ -44,7 +45,6 @@ TINY_CONFIG: dict[str, Any] = {
     "rope_theta": 10000.0,
     "rms_norm_eps": 1e-6,
 }
-MODEL_INFO_FILE = "rlbus_model.json"
 HELDOUT_EVAL_SIZE = 200
 HELDOUT_EVAL_SEED = 0  # fixed: the accuracy is comparable across model seeds
 TRAIN_POOL_SIZE = 100_000

@@ -21,6 +21,7 @@ from typing import Any
 
 from services.catalog import SERVICES, singletons
 from services.policy.drafter_names import MODEL_DRAFTERS
+from services.policy.model_info import MODEL_INFO_FILE
 from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 from services.up.procs import Children
 from services.up.settings import UpSettings
@@ -61,7 +62,7 @@ DEFAULT_MODEL_PATHS = {"addition": "models/tiny-addition", "calculator": "models
 def model_task(path: Path) -> str:
     """The task a built model folder was warm-started on (models built before the calculator task
     existed carry no ``task`` key: addition)."""
-    info = path / "rlbus_model.json"
+    info = path / MODEL_INFO_FILE
     return str(json.loads(info.read_text()).get("task", "addition")) if info.exists() else ""
 
 
@@ -124,7 +125,7 @@ def export_final_policy(run_cfg: RunSettings, run_dir: Path) -> Path | None:
     ckpt = run_dir / "checkpoints" / json.loads(pointer.read_text())["checkpoint"]
     out = run_dir / "final_policy"
     shutil.rmtree(out, ignore_errors=True)
-    shutil.copytree(run_cfg.model_path, out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "rlbus_model.json"))
+    shutil.copytree(run_cfg.model_path, out, ignore=shutil.ignore_patterns("*.safetensors", "*.bin", MODEL_INFO_FILE))
     shutil.copy2(ckpt / "model.safetensors", out / "model.safetensors")
     state = json.loads((ckpt / "state.json").read_text())
     (out / "rlbus_checkpoint.json").write_text(json.dumps(
