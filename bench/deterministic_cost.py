@@ -5,8 +5,9 @@ deterministic, same model, same prompts, same process (ratios are what to read).
     .venv/bin/python bench/deterministic_cost.py --completion-tokens 48  # every sample runs to 48 tokens
 
 `--completion-tokens N` switches the model's end-of-sequence off, so each completion is exactly N
-tokens: the shape of tasks with long answers, where sampling takes N decode steps and the
-deterministic recompute is still one batched forward.
+tokens: the shape of tasks with long answers.  The deterministic generator decodes in the
+trainer's layout (`services/policy/exact_decode.py`); `generator_decoded_share` is the share of
+samples whose log-probs came out of the decode itself rather than a recompute after it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 import torch
 
 from services.policy.exact import DETERMINISTIC_SHAPES
+from services.policy.exact_attention import EXACT_ATTN
 
 
 def main() -> None:
@@ -48,6 +50,8 @@ def main() -> None:
             groups = sampler.sample_groups(prompts, 8, params, gen)
             times.append(time.perf_counter() - t0)
             tokens = sum(len(s.completion_ids) for g in groups for s in g)
+        sources = [s.logprobs_source for g in groups for s in g if s.completion_ids]
+        out[f"generator_decoded_share/{mode}"] = sources.count("decoded") / len(sources)
         out[f"generator_tokens_per_s/{mode}"] = tokens / statistics.median(times[1:])
         seqs = [(p, s.completion_ids) for p, g in zip(prompts, groups, strict=True) for s in g]
         grouped = [(p, [s.completion_ids for s in g]) for p, g in zip(prompts, groups, strict=True)]
@@ -66,7 +70,7 @@ def main() -> None:
     out["generator_slowdown"] = out["generator_tokens_per_s/default"] / out["generator_tokens_per_s/deterministic"]
     out["trainer_slowdown"] = out["trainer_fwd_bwd_s/deterministic"] / out["trainer_fwd_bwd_s/default"]
     print(json.dumps({**{k: round(v, 4) for k, v in out.items()}, "completion_tokens": args.completion_tokens or "task",
-                      "shapes": repr(DETERMINISTIC_SHAPES), "attention": "sdpa"}))
+                      "shapes": repr(DETERMINISTIC_SHAPES), "attention": EXACT_ATTN}))
 
 
 def _padding(seqs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
@@ -76,7 +80,7 @@ def _padding(seqs: list[tuple[list[int], list[int]]]) -> dict[str, float]:
     prompts = list(dict.fromkeys(tuple(p) for p, _ in seqs))
     pairs = [(len(p), len(c)) for p, c in seqs if c]
     slots = shapes.padded_tokens([len(p) for p in prompts])
-    slots += sum(shapes.batch_size * width for (_, width), _ in shapes.plan_pairs(pairs))
+    slots += sum(shapes.rows(len(rows)) * width for (_, width), rows in shapes.plan_pairs(pairs))
     real = sum(len(p) for p in prompts) + sum(c for _, c in pairs)
     return {"det_slots_per_real_token": slots / real,
             "det_slots_vs_full_sequences": slots / sum(p + c for p, c in pairs)}

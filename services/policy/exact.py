@@ -13,9 +13,11 @@ length; both sides then run the same kernels on it, in batches.
 Why the length is bucketed rather than free: the attention-weights @ values product reduces over
 the padded key length, and MKL's blocking of that reduction changes with it once a sequence is
 longer than ~128 tokens, so padding the same sequence to 256 or to 272 columns differs in the
-last bit. The batch size is fixed too (short batches are filled with pad rows): the row
-results measured here did not depend on it, but a BLAS may pick another kernel for another M,
-and a fixed shape rules that out at a bounded cost.
+last bit. The number of rows is not fixed any more (it was until 2026-12-07): from `MIN_ROWS`
+rows up a row's bits did not depend on it, measured, and the decoding generator
+(`exact_decode`) depends on that anyway, so a fixed batch only added fill rows.
+Deterministic mode attends with `exact_attention` on both sides, the kernel that also makes a
+row's result independent of the query length (what lets the generator decode in this layout).
 
 Padding: right padding under causal attention. A real token only attends to earlier positions,
 which are real, and the masked scores become exact zeros after softmax, so the pads change
@@ -34,12 +36,13 @@ as in every Qwen2 config rlbus builds).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
 
 from services.policy.errors import PolicyError
+from services.policy.exact_attention import EXACT_ATTN
 from services.policy.sampling import SamplingParams, processed_logprobs
 from services.policy.sequences import AttnName, PromptCompletion, attention, check_sequences
 
@@ -58,17 +61,22 @@ class FixedShapes:
     at `max_len` (the model's context) when given.  With `geometric`, the step doubles with the
     length once a sequence spans more than 4 steps (a 100-token sequence rounds to a multiple of
     16, a 500-token one to 64): short sequences pad little, long ones by less than a quarter, and
-    the distinct shapes, each a batch that fill rows may waste, are 4 per doubling of the length.  Both sides must use equal `FixedShapes`.
+    the distinct shapes, each a batch that fill rows may waste, are 4 per doubling of the length.
+    A batch has `batch_size` rows, or with `fill_to` set, as many rows as it holds sequences (at
+    most `batch_size`) filled up to `fill_to`.  Both sides must use equal `FixedShapes`.
     """
 
     batch_size: int = 8
     bucket: int = 32
     max_len: int | None = None
     geometric: bool = False
+    fill_to: int | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise FixedShapesError(f"batch_size={self.batch_size}: use at least 1 row per batch")
+        if self.fill_to is not None and not 1 <= self.fill_to <= self.batch_size:
+            raise FixedShapesError(f"fill_to={self.fill_to}: use None or 1 to batch_size={self.batch_size} rows")
         if self.bucket < 1:
             raise FixedShapesError(f"bucket={self.bucket}: use a bucket width of at least 1 token")
         if self.max_len is not None and self.max_len < 1:
@@ -100,20 +108,35 @@ class FixedShapes:
 
     def padded_tokens(self, lengths: Sequence[int]) -> int:
         """Token slots computed for `lengths`, pads and fill rows included (the cost)."""
-        return sum(self.batch_size * width for width, _ in self.plan(lengths))
+        return sum(self.rows(len(rows)) * width for width, rows in self.plan(lengths))
 
     def for_model(self, max_positions: int | None) -> FixedShapes:
         """These shapes with ``max_len`` the model's context (a bucket never passes it)."""
-        return FixedShapes(self.batch_size, self.bucket, max_positions, self.geometric) if max_positions else self
+        return replace(self, max_len=max_positions) if max_positions else self
 
+    def rows(self, used: int) -> int:
+        """Rows a batch holding `used` sequences is computed with: `batch_size`, or with `fill_to`
+        set, `used` filled up to `fill_to`."""
+        return self.batch_size if self.fill_to is None else max(used, self.fill_to)
+
+
+# Fewer rows than this take another matmul path on this CPU (one row differs in the last bit from
+# the same row among more; 8 to 4096 rows agree, `tests/unit/test_exact_decode.py`): a batch or a
+# decode group with fewer rows is filled up to it.
+MIN_ROWS = 8
 
 # The shapes of deterministic mode on both sides (``completion_logprobs(..., deterministic=True)``):
-# one constant, so a generator and a trainer cannot disagree.  Measured on the addition task
-# (prompts of 9 tokens, completions of 4-6, batches of 256 sequences; bench/deterministic_cost.py):
-# 32 rows and 4-token steps cost 0.33 s per trainer forward+backward vs 0.37 s at 8-token steps,
-# 0.50 s at 16 rows and 0.58 s at 8 rows (fill rows and per-batch overhead); geometric steps keep
-# long sequences from multiplying the shapes.
-DETERMINISTIC_SHAPES = FixedShapes(batch_size=32, bucket=4, geometric=True)
+# one constant, so a generator and a trainer cannot disagree.  Rows are not fixed: a row's bits do
+# not depend on the number of rows from MIN_ROWS up (the decoding generator relies on the same), so
+# each (prompt bucket, completion bucket) is one batch of up to 256 rows, filled only to MIN_ROWS;
+# the trainer's micro-batch bounds the memory as in default mode.  Measured on the addition task
+# (prompts of 9 tokens, completions of 4-5, 256 sequences; trainer forward+backward against the
+# default path's 0.19-0.20 s, 2026-12-07): 32 fixed rows at 1-token steps 1.18-1.33x, 2-token
+# steps 1.35-1.42x, 4-token steps 1.54-1.58x (the pads of 5-token answers); 64 rows filled to 8
+# 1.05x, 128-512 rows 0.87-0.92x.  Lengths spread over 8-48 tokens: 0.60-0.63x (the default path
+# pads every row to the longest).  Geometric steps (1 token up to 8, 2 up to 16, 4 up to 32, ...)
+# keep long sequences from multiplying the shapes.
+DETERMINISTIC_SHAPES = FixedShapes(batch_size=256, bucket=1, geometric=True, fill_to=MIN_ROWS)
 
 
 def fixed_shape_logprobs(
@@ -136,7 +159,7 @@ def fixed_shape_logprobs(
     lengths = [len(p) + len(c) for p, c in sequences]
     with torch.set_grad_enabled(grad), attention(model, attn):
         for width, rows in shapes.plan(lengths):
-            ids = _right_padded([[*sequences[i][0], *sequences[i][1]] for i in rows], shapes.batch_size, width).to(device)
+            ids = _right_padded([[*sequences[i][0], *sequences[i][1]] for i in rows], shapes.rows(len(rows)), width).to(device)
             # Every position's logits, so the output layer's shape is fixed too.
             logits = model(input_ids=ids, use_cache=False).logits
             logprobs = processed_logprobs(logits, params.temperature, params.top_p)
@@ -154,7 +177,7 @@ def shared_prompt_logprobs(
     params: SamplingParams,
     shapes: FixedShapes,
     *,
-    attn: AttnName = "sdpa",
+    attn: AttnName = EXACT_ATTN,
     grad: bool = False,
 ) -> list[torch.Tensor]:
     """`fixed_shape_logprobs` with each distinct prompt forwarded once (GRPO groups share one).
@@ -174,13 +197,13 @@ def shared_prompt_logprobs(
     out: list[torch.Tensor] = [torch.zeros(0, device=device)] * len(sequences)
     live = [i for i, (_, c) in enumerate(sequences) if len(c)]
     with torch.set_grad_enabled(grad), attention(model, attn):
-        prompts = _PromptStates.compute(model, list(owner), shapes, device)
+        prompts = PromptStates.compute(model, list(owner), shapes, device)
         plan = shapes.plan_pairs([(len(sequences[i][0]), len(sequences[i][1])) for i in live])
         for (prompt_width, width), batch in plan:
             rows = [live[b] for b in batch]
             # Fill rows repeat the first row: any valid input, their results are dropped.
-            filled = rows + [rows[0]] * (shapes.batch_size - len(rows))
-            ids = _right_padded([sequences[i][1] for i in filled], shapes.batch_size, width)
+            filled = rows + [rows[0]] * (shapes.rows(len(rows)) - len(rows))
+            ids = _right_padded([sequences[i][1] for i in filled], len(filled), width)
             prompt_lens = [len(sequences[i][0]) for i in filled]
             positions = torch.tensor(prompt_lens)[:, None] + torch.arange(width)[None, :]
             cache = prompts.cache_for([owners[i] for i in filled], model)
@@ -228,7 +251,7 @@ def _completion_mask(prompt_lens: Sequence[int], prompt_width: int, width: int, 
 
 
 @dataclass
-class _PromptStates:
+class PromptStates:
     """Each distinct prompt's per-layer (key, value) and its last position's logits, computed in
     fixed (batch_size, prompt bucket) shapes; rows of one bucket share a width."""
 
@@ -238,27 +261,31 @@ class _PromptStates:
 
     @classmethod
     def compute(cls, model: torch.nn.Module, prompts: list[tuple[int, ...]], shapes: FixedShapes,
-                device: torch.device) -> _PromptStates:
+                device: torch.device) -> PromptStates:
         from transformers import DynamicCache
 
         kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in prompts]
         last: list[torch.Tensor] = [torch.zeros(0)] * len(prompts)
         for width, rows in shapes.plan([len(p) for p in prompts]):
             # Right padding: causal attention hides the pads from every real prompt token.
-            ids = _right_padded([prompts[i] for i in rows], shapes.batch_size, width)
+            ids = _right_padded([prompts[i] for i in rows], shapes.rows(len(rows)), width)
             fwd = model(input_ids=ids.to(device), past_key_values=DynamicCache(config=model.config), use_cache=True)
             for r, i in enumerate(rows):
                 kv[i] = [(layer.keys[r], layer.values[r]) for layer in fwd.past_key_values.layers]
                 last[i] = fwd.logits[r, len(prompts[i]) - 1]
         return cls(kv, last, next(model.parameters()).dtype)
 
+    def stacked(self, owners: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, (keys, values) of shape (rows, heads, width, head_dim): row r holds the KV of
+        prompt ``owners[r]`` (the owners share a prompt bucket, so a width)."""
+        return [(torch.stack([self.kv[o][layer][0] for o in owners]), torch.stack([self.kv[o][layer][1] for o in owners]))
+                for layer in range(len(self.kv[owners[0]]))]
+
     def cache_for(self, owners: Sequence[int], model: torch.nn.Module) -> object:
         """A fresh cache holding, row by row, the KV of prompt ``owners[row]``."""
         from transformers import DynamicCache
 
         cache = DynamicCache(config=model.config)
-        for layer in range(len(self.kv[owners[0]])):
-            keys = torch.stack([self.kv[o][layer][0] for o in owners])
-            values = torch.stack([self.kv[o][layer][1] for o in owners])
+        for layer, (keys, values) in enumerate(self.stacked(owners)):
             cache.update(keys, values, layer)
         return cache

@@ -37,6 +37,7 @@ only at the float rounding level.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -45,13 +46,17 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from services.policy.errors import PolicyError
+from services.policy.exact import DETERMINISTIC_SHAPES
+from services.policy.exact_attention import EXACT_ATTN
+from services.policy.exact_decode import DecodeGroup
 from services.policy.logprobs import completion_logprobs
 from services.policy.sampling import SamplingParams, processed_logprobs
-from services.policy.sequences import outside_vocab
+from services.policy.sequences import attention, outside_vocab
 from services.policy.spec_tail import Speculation, TailRows
 
 FinishReason = Literal["stop", "length"]
-LogprobSource = Literal["incremental", "recomputed"]
+# "decoded": decoded in the trainer's layout, already its values; "recomputed": recomputed after.
+LogprobSource = Literal["incremental", "decoded", "recomputed"]
 MidSequenceSwap = Literal["next_step", "when_cheaper"]
 
 
@@ -107,7 +112,17 @@ def _stop_ids(model: torch.nn.Module, params: SamplingParams) -> list[int]:
     return sorted(ids)
 
 
-def _check_ids(prompts: Sequence[Sequence[int]], vocab_size: int | None) -> None:
+def _check_prompts(model: PreTrainedModel, prompts: Sequence[Sequence[int]], params: SamplingParams) -> None:
+    """Raise `SamplerInputError` when a prompt plus `max_new_tokens` does not fit the model's
+    context or a prompt holds an id outside its vocabulary."""
+    max_positions = getattr(model.config, "max_position_embeddings", None)
+    width = max(len(p) for p in prompts)
+    if max_positions is not None and width + params.max_new_tokens > max_positions:
+        raise SamplerInputError(
+            f"longest prompt ({width}) + max_new_tokens ({params.max_new_tokens}) exceeds "
+            f"max_position_embeddings={max_positions}: lower max_new_tokens or shorten prompts"
+        )
+    vocab_size = getattr(model.config, "vocab_size", None)
     for i, prompt in enumerate(prompts):
         if (bad := outside_vocab(prompt, vocab_size)) is not None:
             raise SamplerInputError(
@@ -123,15 +138,9 @@ def _left_pad(model: PreTrainedModel, prompts: Sequence[Sequence[int]], params: 
     Left padding keeps every row's last prompt token in the last column, so one decode step
     appends one column for all rows.  A mask (and explicit positions) is needed only when
     lengths differ; without one SDPA stays on its causal fast path."""
-    max_positions = getattr(model.config, "max_position_embeddings", None)
+    _check_prompts(model, prompts, params)
     prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     width = int(prompt_lens.max())
-    if max_positions is not None and width + params.max_new_tokens > max_positions:
-        raise SamplerInputError(
-            f"longest prompt ({width}) + max_new_tokens ({params.max_new_tokens}) exceeds "
-            f"max_position_embeddings={max_positions}: lower max_new_tokens or shorten prompts"
-        )
-    _check_ids(prompts, getattr(model.config, "vocab_size", None))
     prompt_ids = torch.zeros((len(prompts), width), dtype=torch.long)
     for i, p in enumerate(prompts):
         prompt_ids[i, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
@@ -244,7 +253,10 @@ class GroupSampler:
         if self.speculation is not None:
             self.speculation.begin_call()
         with torch.no_grad():
-            rows = self._decode(prompts, n, params, generator)
+            if self.deterministic and self.speculation is None:
+                rows = self._decode_exact(prompts, n, params, generator)
+            else:
+                rows = self._decode(prompts, n, params, generator)
         if self.speculation is not None:
             self.speculation.end_call([s.completion_ids for s in rows])
         if self.deterministic:
@@ -303,6 +315,61 @@ class GroupSampler:
             next_pos = next_pos + 1
         return out.samples()
 
+    def _decode_exact(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> list[SampleOut]:
+        """`_decode` in the trainer's layout (`exact_decode`): rows whose every token came from one
+        version and whose keys stay within `DECODE_EXACT_KEYS` carry the trainer's log-probs
+        already (`logprobs_source="decoded"`); the rest are left for `_recompute`."""
+        model, version = self.slot.model, self.slot.version
+        device = next(model.parameters()).device
+        _check_prompts(model, prompts, params)
+        shapes = DETERMINISTIC_SHAPES.for_model(getattr(model.config, "max_position_embeddings", None))
+        by_width: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_width.setdefault(shapes.bucket_len(len(p)), []).append(i)
+        with ExitStack() as pinned:
+            pinned.enter_context(attention(model, EXACT_ATTN))
+            groups = [DecodeGroup(model, [prompts[i] for i in idx], n, width, params.max_new_tokens, shapes, device)
+                      for width, idx in by_width.items()]
+            sizes = [g.rows for g in groups]
+            out = _Completions(len(prompts) * n, params.max_new_tokens, device)
+            logits = torch.cat([g.logits for g in groups])
+            stop = torch.tensor(_stop_ids(model, params), dtype=torch.long, device=device)
+            for step in range(params.max_new_tokens):
+                tok, lp = _draw(logits, params, generator, device)
+                out.record(step, tok, lp, version, stop)
+                if step + 1 == params.max_new_tokens or bool(out.done.all()):
+                    break
+                if self._swap_worthwhile(max(by_width) + step + 1, params.max_new_tokens - step - 1) and self.slot.maybe_swap():
+                    model, version = self.slot.model, self.slot.version
+                    pinned.enter_context(attention(model, EXACT_ATTN))
+                    done = out.tokens[:, : step + 1].split(sizes)
+                    logits = torch.cat([g.restart(model, t) for g, t in zip(groups, done, strict=True)])
+                else:
+                    logits = torch.cat([g.extend(model, t[:, None]) for g, t in zip(groups, tok.split(sizes), strict=True)])
+        return self._in_prompt_order(out.samples(), groups, list(by_width.values()), n)
+
+    @staticmethod
+    def _in_prompt_order(samples: list[SampleOut], groups: list[DecodeGroup], members: list[list[int]],
+                         n: int) -> list[SampleOut]:
+        """Samples come group by group; put them back in prompt order and label the exact ones."""
+        ordered: list[SampleOut] = list(samples)
+        first = 0
+        for group, idx in zip(groups, members, strict=True):
+            for k in range(group.rows):
+                sample = samples[first + k]
+                if (len(sample.completion_ids) and len(set(sample.token_versions.tolist())) == 1
+                        and group.covers(len(sample.completion_ids))):
+                    sample.logprobs_source = "decoded"
+                ordered[idx[k // n] * n + k % n] = sample
+            first += group.rows
+        return ordered
+
     def _recompute(
         self,
         prompts: Sequence[Sequence[int]],
@@ -312,7 +379,8 @@ class GroupSampler:
     ) -> None:
         """Replace behaviour log-probs by the trainer's batch-invariant values where valid."""
         current = self.slot.version
-        eligible = [r for r, s in enumerate(rows) if len(s.completion_ids) and (s.token_versions == current).all()]
+        eligible = [r for r, s in enumerate(rows) if len(s.completion_ids) and s.logprobs_source == "incremental"
+                    and (s.token_versions == current).all()]
         if not eligible:
             return
         pairs = [(prompts[r // n], rows[r].completion_ids) for r in eligible]

@@ -13,9 +13,11 @@ from typing import Literal
 
 import torch
 
+from services.policy import exact_attention  # noqa: F401  (registers the "exact" kernel)
 from services.policy.errors import PolicyError
 
-AttnName = Literal["sdpa", "eager"]
+# "exact": services/policy/exact_attention.py, registered with transformers when imported.
+AttnName = Literal["sdpa", "eager", "exact"]
 
 PromptCompletion = tuple[Sequence[int], Sequence[int]]
 
