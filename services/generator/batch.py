@@ -177,11 +177,11 @@ class BatchDriver:
 
     def _one_turn_episode(self, h: Held) -> bool:
         # Held-out tasks stay here: the batch path samples them on their round's pinned weights.  So do
-        # all tasks while a drafter is on: the speculative tail is the batch sampler's.  The vLLM
+        # all tasks while a drafter is on (the speculative tail is the batch sampler's) and, unless
+        # single_turn is set, in deterministic mode (`GeneratorSettings.single_turn_episodes`).  The vLLM
         # backend's batch call is already continuously batched inside vLLM (its episode runs last
         # until their longest turn ends, so one-turn episodes would gain nothing there).
-        return (self.cfg.single_turn == "episodes" and self.cfg.backend == "torch" and not h.is_eval
-                and self.cfg.speculative.drafter == "off" and not self.episodes.supported())
+        return self.cfg.single_turn_episodes and not h.is_eval and not self.episodes.supported()
 
     # --- environments ------------------------------------------------------------------------------
     async def _reset(self, held: list[Held]) -> list[Prompted]:

@@ -91,8 +91,10 @@ class GeneratorSettings(Settings):
         "episode engine as one-turn episodes (continuous batching: a finished group's room is refilled at once); "
         "'batch' in batch-synchronous calls (a batch waits for its slowest row).  Held-out tasks stay on the batch "
         "path, which samples them on their round's pinned weights, and so do all single-turn tasks while a "
-        "[generator.speculative] drafter is on (the speculative tail is the batch sampler's); the vLLM backend "
-        "batches continuously inside its own calls either way.  See README 'Episodes and environments'.")
+        "[generator.speculative] drafter is on (the speculative tail is the batch sampler's), and in deterministic "
+        "mode unless single_turn is set (the batch sampler decodes the trainer's exact log-probs, the episode engine "
+        "recomputes them); the vLLM backend batches continuously inside its own calls either way.  See README "
+        "'Episodes and environments'.")
     eval_weights: Literal["pinned", "live"] = Field(
         "pinned", description="Held-out rounds: 'pinned' samples each round at exactly the version it was scheduled "
         "at, on a second copy of the model (torch backend; twice the weight memory); 'live' samples on the moving "
@@ -108,6 +110,18 @@ class GeneratorSettings(Settings):
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM backend options (threads, KV cache, blocks).")
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions, description=(
         "Speculative decoding of the batch's tail (torch backend): drafter, tail_rows, max_k."))
+
+    @property
+    def single_turn_episodes(self) -> bool:
+        """Whether single-turn training tasks play on the episode engine (see `single_turn`)."""
+        if self.backend != "torch" or self.speculative.drafter != "off":
+            return False
+        if self.deterministic and "single_turn" not in self.model_fields_set:
+            # Measured (bench/pipeline_bench.py --run 100, deterministic on both sides): 0.32 s per
+            # step on the batch path, 0.38 on the episode engine, whose recompute the batch path's
+            # exact decode does not need (default mode: 0.36).
+            return False
+        return self.single_turn == "episodes"
 
     @model_validator(mode="after")
     def _speculation_needs_torch(self) -> "GeneratorSettings":

@@ -36,7 +36,7 @@ class TorchBackend(SampleMeter):
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
                  slowdown: float = 1.0, mid_sequence_swap: MidSequenceSwap = "when_cheaper", pin_eval: bool = False,
                  speculative: Any = None, **_: Any) -> None:
-        model, tokenizer = load_policy(model_path, dtype=dtype, attn="eager" if deterministic else "sdpa")  # type: ignore[arg-type]
+        model, tokenizer = load_policy(model_path, dtype=dtype)
         self.tokenizer = tokenizer
         self.slot = WeightSlot(model, version)
         # The live sampler only: held-out rounds on the pinned copy decode plainly, so drafting

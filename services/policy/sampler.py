@@ -25,13 +25,12 @@ decoding, the sampler hands them, their KV and their tokens to `spec_tail.TailDe
 finishes them by draft-and-verify: same distribution, same behaviour log-probs (the target's),
 same version labels and swap points, fewer target forwards when the drafts are good.
 
-Deterministic mode: after sampling, behaviour log-probs are recomputed with
-`completion_logprobs(..., deterministic=True)` — the trainer's own batch-invariant function —
-so the two are bit-identical. That is only possible when every token of the sample came from
-the weights still in the slot; a sample whose tokens span a swap (or that finished before a
-swap) keeps its incremental values and says so in `logprobs_source`. The sampled tokens
-themselves come from the batched forward, whose distribution differs from the recomputed one
-only at the float rounding level.
+Deterministic mode: the sampler decodes in the trainer's key layout with the attention kernel of
+`exact_attention` (`_decode_exact`, `exact_decode.DecodeGroup`), so each token's behaviour
+log-prob is already the trainer's, bit for bit (`logprobs_source="decoded"`). A sample whose
+keys pass `DECODE_EXACT_KEYS`, or that was decoded with the speculative tail, is recomputed
+after sampling with the trainer's own function (`"recomputed"`). Neither is possible for a
+sample whose tokens span a swap: it keeps its incremental values and says so.
 """
 
 from __future__ import annotations

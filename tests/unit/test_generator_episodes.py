@@ -361,12 +361,13 @@ async def test_single_turn_tasks_play_as_one_turn_episodes_and_held_out_ones_sta
         assert backend.calls == [2]
 
 
-@pytest.mark.parametrize("gen", [{"single_turn": "batch"}, {"speculative": {"drafter": "group"}}],
-                         ids=["batch", "drafter-on"])
+@pytest.mark.parametrize("gen", [{"single_turn": "batch"}, {"speculative": {"drafter": "group"}}, {"deterministic": True}],
+                         ids=["batch", "drafter-on", "deterministic"])
 async def test_single_turn_tasks_stay_on_the_batch_sampler_when_asked_or_while_a_drafter_is_on(
         tmp_path: Path, gen: dict[str, Any]) -> None:
     # The speculative tail drafts inside the batch sampler only: with a drafter on, single_turn's
-    # default ("episodes") must not take the tasks away from it.
+    # default ("episodes") must not take the tasks away from it; nor in deterministic mode, where the
+    # batch sampler decodes the trainer's exact log-probs and the episode engine would recompute them.
     backend = EpisodeBackend()
     async with Harness(tmp_path, backend=backend, **gen) as h:
         await h.tasks("train", 3)
@@ -473,3 +474,12 @@ async def test_deterministic_episodes_are_recomputed_whole_before_their_group_se
         rollouts = {g.task.task_id: g.rollouts for g in h.groups()}["ep-1"]
         assert all(not r.exact_logprobs and r.behaviour_logprobs.tolist()[:2] == [-0.5, -0.5] for r in rollouts)
         await eventually(lambda: h.metric("generator/episodes_recompute_missed") == 2, what="misses counted")
+
+
+def test_deterministic_mode_keeps_single_turn_tasks_on_the_batch_path_unless_told_otherwise() -> None:
+    from services.generator.settings import GeneratorSettings
+
+    assert GeneratorSettings().single_turn_episodes
+    assert not GeneratorSettings(deterministic=True).single_turn_episodes
+    assert GeneratorSettings(deterministic=True, single_turn="episodes").single_turn_episodes  # set: obeyed
+    assert not GeneratorSettings(single_turn="batch").single_turn_episodes
