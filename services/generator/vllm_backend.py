@@ -281,8 +281,13 @@ class VllmBackend(SampleMeter):
             raise VllmBackendError(f"[generator.speculative] drafter = {drafter!r} is a torch-backend feature: set it "
                                    "to \"off\" with the vllm backend (vLLM's own n-gram drafting is not wired yet)")
         if deterministic:
+            # vLLM's own VLLM_BATCH_INVARIANT=1 (0.32) covers its GPU attention backends (flash_attn, flex, triton),
+            # not the CPU one; and batch invariance alone makes vLLM agree with itself, not with the trainer's
+            # kernels, which is what the exactness claim needs.
             raise VllmBackendError("deterministic mode (bit-identical to the trainer) is a torch-backend feature: "
-                                   "set [generator] backend = \"torch\" or deterministic = false")
+                                   "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) has no CPU attention backend "
+                                   "and would not match the trainer's kernels anyway; set [generator] backend = "
+                                   "\"torch\" or deterministic = false")
         opts = {"threads": 1, "kv_cache_gib": 1, "block_size": None, "compile": False, **_options(vllm)}
         self.model_path = str(model_path)
         SampleMeter.__init__(self, slowdown)

@@ -226,7 +226,7 @@ def test_tokens_record_a_mid_sequence_weight_swap(tokenizer, prompts, determinis
         assert np.abs(s.behaviour_logprobs[2:] - new_lp[i][2:].numpy()).max() < 1e-5
         assert s.logprobs_source == "incremental"  # spans two versions: cannot be recomputed
     short = [(i, s) for i, s in enumerate(samples) if len(s.completion_ids) <= 2]
-    for i, s in short:
+    for _, s in short:
         assert (s.token_versions == 0).all()
         # Deterministic decoding finished these on version 0 in the trainer's layout: exact there.
         assert s.logprobs_source == ("decoded" if deterministic else "incremental")
