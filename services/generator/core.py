@@ -276,7 +276,7 @@ class Generator:
         rollouts = []
         for k, s in enumerate(samples):
             # Recomputed values are exact for the completion they were computed on, not a cut of it.
-            exact = getattr(s, "logprobs_source", "incremental") in ("decoded", "recomputed")
+            exact = bool(getattr(s, "exact", False))
             if sampling.stop:
                 cut = cut_at_stop(s, sampling.stop, self.backend.decode)
                 exact, s = exact and len(cut.completion_ids) == len(s.completion_ids), cut

@@ -139,6 +139,12 @@ MIN_ROWS = 8
 DETERMINISTIC_SHAPES = FixedShapes(batch_size=256, bucket=1, geometric=True, fill_to=MIN_ROWS)
 
 
+def deterministic_shapes(model: torch.nn.Module) -> FixedShapes:
+    """`DETERMINISTIC_SHAPES` capped at `model`'s context: what the trainer's function and the decoding
+    generator both compute in (one function, so the two sides cannot pick different shapes)."""
+    return DETERMINISTIC_SHAPES.for_model(getattr(getattr(model, "config", None), "max_position_embeddings", None))
+
+
 def fixed_shape_logprobs(
     model: torch.nn.Module,
     sequences: Sequence[PromptCompletion],

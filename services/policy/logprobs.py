@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from services.policy.exact import DETERMINISTIC_SHAPES, shared_prompt_logprobs
+from services.policy.exact import deterministic_shapes, shared_prompt_logprobs
 from services.policy.sampling import SamplingParams, processed_logprobs
 from services.policy.sequences import LogprobInputError, PromptCompletion, check_sequences
 
@@ -47,8 +47,7 @@ def completion_logprobs(
     if not sequences:
         return []
     if deterministic:
-        shapes = DETERMINISTIC_SHAPES.for_model(getattr(config, "max_position_embeddings", None))
-        return shared_prompt_logprobs(model, sequences, params, shapes, grad=grad)
+        return shared_prompt_logprobs(model, sequences, params, deterministic_shapes(model), grad=grad)
     with torch.set_grad_enabled(grad):
         return _batched(model, sequences, params)
 

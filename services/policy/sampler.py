@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from services.policy.errors import PolicyError
-from services.policy.exact import DETERMINISTIC_SHAPES
+from services.policy.exact import deterministic_shapes
 from services.policy.exact_attention import EXACT_ATTN
 from services.policy.exact_decode import DecodeGroup
 from services.policy.logprobs import completion_logprobs
@@ -97,6 +97,11 @@ class SampleOut:
     token_versions: np.ndarray  # int64, weight version that produced each token
     finish_reason: FinishReason
     logprobs_source: LogprobSource = "incremental"
+
+    @property
+    def exact(self) -> bool:
+        """Whether `behaviour_logprobs` are the trainer's deterministic values, bit for bit."""
+        return self.logprobs_source != "incremental"
 
 
 def _stop_ids(model: torch.nn.Module, params: SamplingParams) -> list[int]:
@@ -327,7 +332,7 @@ class GroupSampler:
         model, version = self.slot.model, self.slot.version
         device = next(model.parameters()).device
         _check_prompts(model, prompts, params)
-        shapes = DETERMINISTIC_SHAPES.for_model(getattr(model.config, "max_position_embeddings", None))
+        shapes = deterministic_shapes(model)
         by_width: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_width.setdefault(shapes.bucket_len(len(p)), []).append(i)

@@ -25,3 +25,14 @@ def tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
     return fresh_model(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def long_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
+    """The tiny model with a 256-token context: room for rows past ~128 tokens, where the attention
+    product's reduction order starts to depend on the padded length, and past the 192 keys that
+    deterministic decoding covers."""
+    cfg = tiny_config(tokenizer)
+    cfg.max_position_embeddings = 256
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(cfg).eval()

@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from services.policy.exact import (
     DETERMINISTIC_SHAPES,
@@ -18,20 +18,9 @@ from services.policy.exact import (
     shared_prompt_logprobs,
 )
 from services.policy.logprobs import completion_logprobs
-from services.policy.model_init import tiny_config
 from services.policy.sampling import SamplingParams
 
 PARAMS = SamplingParams(temperature=1.0)
-
-
-@pytest.fixture(scope="module")
-def long_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    # A 256-token context: rows longer than ~128 tokens are where the attention product's
-    # reduction order starts to depend on the padded length, so the buckets matter.
-    cfg: Qwen2Config = tiny_config(tokenizer)
-    cfg.max_position_embeddings = 256
-    torch.manual_seed(1)
-    return Qwen2ForCausalLM(cfg).eval()
 
 
 def _sequences(seed: int, count: int, max_len: int, vocab: int) -> list[tuple[list[int], list[int]]]:

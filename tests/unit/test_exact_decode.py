@@ -14,12 +14,11 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
 
 from services.policy.exact import MIN_ROWS
 from services.policy.exact_attention import DECODE_EXACT_KEYS, KEY_BLOCK, MIN_QUERY, exact_attention
 from services.policy.logprobs import completion_logprobs
-from services.policy.model_init import tiny_config
 from services.policy.sampler import GroupSampler, SampleOut, StaticSlot
 from services.policy.sampling import SamplingParams
 
@@ -56,15 +55,6 @@ def test_one_query_gets_the_bits_of_a_long_query_block_and_any_key_padding() -> 
     assert MIN_QUERY == 4  # 1-3 query rows took another path (measured); the kernel pads up to 4
 
 
-@pytest.fixture(scope="module")
-def wide_model(tokenizer: PreTrainedTokenizerFast) -> Qwen2ForCausalLM:
-    """The tiny policy with a 256-token context, room for rows past `DECODE_EXACT_KEYS`."""
-    cfg: Qwen2Config = tiny_config(tokenizer)
-    cfg.max_position_embeddings = 256
-    torch.manual_seed(3)
-    return Qwen2ForCausalLM(cfg).eval()
-
-
 def _prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [[1, *(rng.randrange(3, vocab) for _ in range(n - 1))] for n in lengths]
@@ -99,11 +89,14 @@ def test_decoded_logprobs_are_the_trainers_across_prompt_buckets(model: Qwen2For
     assert sources.get("decoded", 0) >= 18 and "recomputed" not in sources  # all within DECODE_EXACT_KEYS
 
 
-def test_rows_past_the_decoded_range_are_recomputed_and_still_exact(wide_model: Qwen2ForCausalLM) -> None:
-    wide_model.generation_config.eos_token_id = wide_model.config.eos_token_id = None
-    prompts = _prompts(4, [40, 150, 9], wide_model.config.vocab_size)
+def test_rows_past_the_decoded_range_are_recomputed_and_still_exact(long_model: Qwen2ForCausalLM,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # No end-of-sequence: every completion runs to max_new_tokens, so the lengths are known.
+    monkeypatch.setattr(long_model.generation_config, "eos_token_id", None)
+    monkeypatch.setattr(long_model.config, "eos_token_id", None)
+    prompts = _prompts(4, [40, 150, 9], long_model.config.vocab_size)
     params = SamplingParams(max_new_tokens=80, stop_token_ids=())
-    groups = GroupSampler(StaticSlot(wide_model), deterministic=True).sample_groups(prompts, 2, params, torch.Generator().manual_seed(6))
-    sources = _check_against_trainer(wide_model, prompts, groups, params)
+    groups = GroupSampler(StaticSlot(long_model), deterministic=True).sample_groups(prompts, 2, params, torch.Generator().manual_seed(6))
+    sources = _check_against_trainer(long_model, prompts, groups, params)
     # 150 + 80 tokens pass DECODE_EXACT_KEYS: recomputed; 9 + 80 stays within: decoded.
     assert sources.get("recomputed", 0) >= 2 and sources.get("decoded", 0) >= 2
