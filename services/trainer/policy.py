@@ -38,8 +38,8 @@ class TrainedPolicy:
     async def load(cls, run_cfg: RunSettings, cfg: TrainerSettings) -> TrainedPolicy | None:
         """The initial policy from ``[run] model_path``.  None on a rank > 0 of a torchrun job, once
         it has followed rank 0's steps and state gathers until rank 0 stopped it."""
-        model, _ = await asyncio.to_thread(load_policy, run_cfg.model_path, dtype=cfg.dtype,
-                                           attn="eager" if cfg.deterministic else "sdpa")
+        # Deterministic mode pins its own attention kernel for every forward it makes (exact_attention).
+        model, _ = await asyncio.to_thread(load_policy, run_cfg.model_path, dtype=cfg.dtype)
         ref_model = copy.deepcopy(model).eval() if cfg.objective.kl_coef > 0 else None
         limits = InputLimits.of_model(model)
         if distributed.backend_for(cfg.distributed) is None:
