@@ -67,10 +67,10 @@ def publish(p: Pipeline, endpoint: str) -> list[str]:
     return [x["task_id"] for x in lines]
 
 
-def _settled(m: dict[str, float]) -> bool:
+def _settled(m: dict[str, float], paused: bool) -> bool:
     started = m.get("generator/groups_started", -1)
     return (started == m.get("generator/groups_published") and m.get("generator/in_flight", 0) == 0
-            and started in (m.get("generator/grant_total"), N_TASKS))
+            and (paused or started in (m.get("generator/grant_total"), N_TASKS)))
 
 
 async def wait_for_work(p: Pipeline) -> None:
@@ -80,8 +80,10 @@ async def wait_for_work(p: Pipeline) -> None:
     try:
         await wait_heartbeat(bus, lambda hb: hb.service == "trainer" and hb.state == "done", timeout=300)
         # The generator settled: all it started is published, and it can start no more (the grant is
-        # used up now that the trainer stopped raising it, or every task is taken).
-        published = (await wait_heartbeat(bus, lambda hb: hb.service == "generator" and _settled(hb.metrics),
+        # used up now that the trainer stopped raising it, or every task is taken, or the controller
+        # paused it because the trainer is done: seen once, 22 started of a grant of 27, then paused).
+        published = (await wait_heartbeat(bus, lambda hb: hb.service == "generator"
+                                          and _settled(hb.metrics, paused=hb.state == "paused"),
                                           timeout=300)).metrics["generator/groups_published"]
         await wait_heartbeat(bus, lambda hb: hb.service == "reward" and hb.metrics.get("reward/groups", 0) >= published,
                              timeout=300)
