@@ -11,12 +11,21 @@ step could be missing from the file until the next periodic flush; this one's ``
 until every queued event is on disk.  Flushed at every step, so a crash loses no step already
 reported; a resumed trainer hides the steps written after its checkpoint by the run that crashed
 (``purge_step``), since it trains those steps again.
+
+TensorBoard reads a folder's event files in the order of their names, and a name carries its
+creation time in whole seconds, then host, pid and a per-process counter, all compared as text: a
+trainer resumed within the second its predecessor's file was made could sort before it (a counter
+of 10 sorts before 9), and its purge would then be read first and undo nothing.  A new writer
+therefore waits, when it must, for the second after the newest file's.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from pathlib import Path
+
+EVENT_FILE_PREFIX = "events.out.tfevents."
 
 
 class StepBoard:
@@ -29,6 +38,7 @@ class StepBoard:
         # Steps after ``resumed_at`` that a crashed predecessor wrote are trained again from the
         # checkpoint: TensorBoard is told to drop them, or each would show two points.
         purge = resumed_at + 1 if resumed_at > 0 else None
+        wait_past_newest_file(folder)
         self._writer: SummaryWriter | None = SummaryWriter(log_dir=str(folder), purge_step=purge)
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -43,3 +53,12 @@ class StepBoard:
         writer, self._writer = self._writer, None
         if writer is not None:
             writer.close()
+
+
+def wait_past_newest_file(folder: Path) -> None:
+    """Sleep (a second at most) until the clock's whole second is later than the creation second named
+    by the newest event file in ``folder``, so a file made now sorts after every earlier one."""
+    stamps = (p.name.removeprefix(EVENT_FILE_PREFIX).split(".", 1)[0] for p in folder.glob(EVENT_FILE_PREFIX + "*"))
+    newest = max((int(s) for s in stamps if s.isdigit()), default=None)
+    if newest is not None:
+        time.sleep(min(1.0, max(0.0, newest + 1 - time.time())))

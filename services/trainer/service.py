@@ -147,7 +147,7 @@ class TrainerLoop:
                             model_name=run_cfg.model_name, transport_kind=cfg.transport, book=book)
         assembler = Assembler(batch_groups=run_cfg.batch_groups, max_staleness=run_cfg.max_staleness,
                               lineage=book.lineage, limits=policy.limits)
-        board = StepBoard(run_dir / "tensorboard", resumed_at=committer.step)
+        board = await asyncio.to_thread(StepBoard, run_dir / "tensorboard", resumed_at=committer.step)
         telemetry = Telemetry(Beat(bus, subjects, "trainer", cfg.instance, period=1.0), counters, assembler, committer,
                               board)
         resumed = committer.resume(await highest_version_used(bus, subjects, run_cfg.model_name, book))

@@ -277,6 +277,28 @@ def tensorboard_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
+def test_a_resumed_board_sorts_after_its_predecessor_made_in_the_same_second(tmp_path: Path) -> None:
+    """TensorBoard reads event files in name order and names compare as text: a predecessor whose
+    per-process counter is 99 sorts after a successor's 1 made in the same second, and the successor's
+    purge would be read first and undo nothing.  The successor waits for the next second instead."""
+    import os
+    import socket
+    import time
+
+    from services.trainer.board import EVENT_FILE_PREFIX, StepBoard
+
+    first = StepBoard(tmp_path)
+    for step in (1, 2, 3):
+        first.write(step, {"v": float(step)})
+    first.close()
+    (made,) = tmp_path.glob(EVENT_FILE_PREFIX + "*")
+    made.rename(tmp_path / f"{EVENT_FILE_PREFIX}{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.99")
+    second = StepBoard(tmp_path, resumed_at=2)
+    second.write(3, {"v": 30.0})
+    second.close()
+    assert tensorboard_scalars(tmp_path)["v"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
 def assert_every_ack_covered(bus: RecordingBus) -> None:
     """An ack (or term) only once the newest checkpoint on disk records the group, never as a
     duplicate; while the trainer runs, only once the checkpoint before it records it too (a
