@@ -29,11 +29,15 @@ forwards (the same `when_cheaper` rule as the plain loop) and the tail rows' cac
 from their full prefixes under the new weights. Stop ids and `max_new_tokens` cut a row exactly
 where plain decoding would: drafts never run past the budget and tokens after a stop are dropped.
 
-Adaptive draft length (`DraftLength`): see its docstring.
+Adaptive draft length (`DraftLength`): see its docstring.  A combined drafter keeps one per source
+(`Speculation.lengths`, keyed "group" and "model"): the two differ in acceptance and in cost (a
+suffix lookup is free, a draft model's forwards are not), and one shared rule let the draft
+model's collapse after a policy shift switch the group drafter off with it (README).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -63,6 +67,16 @@ from services.policy.weight_slot import WeightSlot
 
 if TYPE_CHECKING:  # the sampler imports this module
     from services.policy.sampler import ModelSlot, _Completions
+
+
+def drafter_sources(drafter: str) -> tuple[Source, ...]:
+    """The proposal sources a drafter combines, in the order a round asks them (group first)."""
+    sources: list[Source] = []
+    if drafter in GROUP_DRAFTERS:
+        sources.append("group")
+    if drafter in MODEL_DRAFTERS:
+        sources.append("model")
+    return tuple(sources)
 
 
 class SpeculationConfigError(PolicyError):
@@ -272,8 +286,10 @@ class Speculation:
                 "services.policy.draft_model.build_draft) or use drafter = 'group'")
         self.config = config
         self.recent = RecentCompletions(recent=recent)
-        # `lengths`: a fixed rule instead of the adaptive one (measurements at a set k).
-        self.lengths = {config.drafter: lengths or DraftLength(config.max_k)}
+        # `lengths`: a fixed rule instead of the adaptive one (measurements at a set k), one copy per source.
+        self.lengths: dict[Source, DraftLength] = {
+            source: copy.deepcopy(lengths) if lengths is not None else DraftLength(config.max_k)
+            for source in drafter_sources(config.drafter)}
         self.last_call = TailStats()
         self.draft = draft
         self.model_drafter = ModelDrafter(draft) if draft is not None else None
@@ -311,7 +327,7 @@ class Speculation:
         """Hand the rest of the call to the tail now? Only with few rows left and a drafter whose
         measured acceptance makes some k worth drafting at this row count."""
         return self.enabled and 0 < live_rows <= self.config.tail_rows and \
-            self.lengths[self.config.drafter].k(live_rows) > 0
+            any(length.k(live_rows) > 0 for length in self.lengths.values())
 
     def begin_call(self) -> None:
         self.last_call = TailStats()
@@ -356,7 +372,7 @@ class TailDecoder:
                  generator: torch.Generator, stop: set[int], swap_rule: SwapRule) -> None:
         self.spec, self.slot, self.out, self.params, self.gen = spec, slot, out, params, generator
         self.stop, self.swap_rule, self.state = stop, swap_rule, state
-        self.length = spec.lengths[spec.config.drafter]
+        self.lengths = spec.lengths
         self.stats = spec.last_call
         self.model, self.version = slot.model, slot.version
         self.device = state.last.device
@@ -441,27 +457,36 @@ class TailDecoder:
         self.live.cache, self.live.mask = fwd.past_key_values, mask
         self.live.next_pos = torch.tensor([len(s) for s in seqs], dtype=torch.long, device=self.device)
 
-    def _drafts(self, k: int) -> RoundDrafts:
-        """Each row's proposal: the group drafter's where it has one, else the draft model's."""
-        # The correction/bonus token needs one place of the budget.
-        rooms = [max(0, min(k, self.params.max_new_tokens - int(self.out.length[r]) - 1)) for r in self.live.rows]
-        group = [[] for _ in rooms]
-        if self.drafters:
-            for i, (r, room) in enumerate(zip(self.live.rows, rooms, strict=True)):
+    def _drafts(self, ks: Mapping[Source, int]) -> tuple[RoundDrafts, dict[Source, float]]:
+        """Each row's proposal: the group drafter's (at its own k) where it has one, else the draft
+        model's (at its k); and the seconds each source spent proposing."""
+        seconds: dict[Source, float] = {}
+        t0 = time.perf_counter()
+        group: list[list[int]] = [[] for _ in self.live.rows]
+        if self.drafters and ks.get("group", 0) > 0:
+            for i, (r, room) in enumerate(zip(self.live.rows, self._rooms(ks["group"]), strict=True)):
                 drafter, j = self.drafters[r]
                 group[i] = drafter.propose(j, room) if room > 0 else []
+            seconds["group"] = time.perf_counter() - t0
         if self.model_drafter is None:
-            return RoundDrafts.of_group(group)
+            return RoundDrafts.of_group(group), seconds
         if self.model_drafter.slot.maybe_swap():
             self.stats.draft_swaps += 1
         # Every row without a group proposal (all of them for "model"/"static", so those draw
         # exactly as before the drafters were combined).
         need = [i for i, g in enumerate(group) if not g]
-        if not need:
-            return RoundDrafts.of_group(group)
+        if not need or ks.get("model", 0) == 0:
+            return RoundDrafts.of_group(group), seconds
+        t1 = time.perf_counter()
         rows = [self.live.rows[i] for i in need]
+        rooms = self._rooms(ks["model"])
         drafts = self.model_drafter.propose(self._contexts(rows), [rooms[i] for i in need], self.params, self.gen)
-        return RoundDrafts.mixed(group, need, drafts)
+        seconds["model"] = time.perf_counter() - t1
+        return RoundDrafts.mixed(group, need, drafts), seconds
+
+    def _rooms(self, k: int) -> list[int]:
+        """Drafts per live row at most k, within the budget (the correction/bonus token needs one place)."""
+        return [max(0, min(k, self.params.max_new_tokens - int(self.out.length[r]) - 1)) for r in self.live.rows]
 
     def _contexts(self, rows: list[int]) -> list[torch.Tensor]:
         """These tail rows' prompts and completions so far (the newest token included)."""
@@ -476,12 +501,12 @@ class TailDecoder:
     def _round(self) -> None:
         live, stats = self.live, self.stats
         t0 = time.perf_counter()
-        k = self.length.k(len(live.rows))
-        stats.k_last = k
-        proposed = self._drafts(k)
+        rows = len(live.rows)
+        ks = {source: length.k(rows) for source, length in self.lengths.items()}
+        stats.k_last = max(ks.values())
+        proposed, draft_seconds = self._drafts(ks)
         drafts, draft_probs = proposed.ids, proposed.probs
         t1 = time.perf_counter()
-        rows = len(live.rows)
         width = max(len(d) for d in drafts)
         if draft_probs is not None:
             draft_probs = draft_probs[:, :width]
@@ -512,22 +537,24 @@ class TailDecoder:
         t2 = time.perf_counter()
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
-        self.length.observe_cost(t1 - t0, t2 - t1, k, rows)
-        self._record(proposed, verified)
+        for source, seconds in draft_seconds.items():
+            self.lengths[source].observe_cost(seconds, t2 - t1, ks[source], rows)
+        self._record(proposed, verified, ks)
 
-    def _record(self, proposed: RoundDrafts, verified: Verified) -> None:
+    def _record(self, proposed: RoundDrafts, verified: Verified, ks: Mapping[Source, int]) -> None:
         stats, out = self.stats, self.out
         accepted = verified.accepted.tolist()
         stats.rounds += 1
-        kept_all, trials_all = 0, 0
+        kept = dict.fromkeys(ks, 0)
+        trials = dict.fromkeys(ks, 0)
         still = []
         for i, (r, (tokens, logps)) in enumerate(zip(self.live.rows, verified.rows(), strict=True)):
             stats.row_forwards += 1
             source, drafted = proposed.sources[i], len(proposed.ids[i])
             if source is not None:
                 stats.count(source, drafted, accepted[i])
-                kept_all += accepted[i]
-                trials_all += accepted[i] + (accepted[i] < drafted)
+                kept[source] += accepted[i]
+                trials[source] += accepted[i] + (accepted[i] < drafted)
             emitted = self._append(r, tokens, logps)
             stats.tokens += emitted
             if self.drafters:
@@ -535,7 +562,11 @@ class TailDecoder:
                 drafter.extend(j, tokens[:emitted])
             if not bool(out.done[r]) and int(out.length[r]) < self.params.max_new_tokens:
                 still.append(i)
-        self.length.observe(kept_all, trials_all)
+        # A source asked for drafts this round is measured on what it proposed (nothing proposed
+        # decays it towards its prior); one switched off waits for `begin_call`'s decay instead.
+        for source, k in ks.items():
+            if k > 0:
+                self.lengths[source].observe(kept[source], trials[source])
         if len(still) < len(self.live.rows):
             self._keep(still)
 

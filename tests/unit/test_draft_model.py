@@ -138,9 +138,10 @@ def test_a_mixed_round_keeps_the_targets_logprobs_and_counts_each_source(policy,
     rounds: list[RoundDrafts] = []
     drafts = TailDecoder._drafts
 
-    def spy(self, k: int) -> RoundDrafts:  # type: ignore[no-untyped-def]
-        rounds.append(drafts(self, k))
-        return rounds[-1]
+    def spy(self, ks):  # type: ignore[no-untyped-def]
+        proposed, seconds = drafts(self, ks)
+        rounds.append(proposed)
+        return proposed, seconds
 
     monkeypatch.setattr(TailDecoder, "_drafts", spy)
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
@@ -317,6 +318,36 @@ def test_distiller_refuses_samples_it_cannot_train_on(policy) -> None:
     DraftDistiller(b).step([PolicySample([1, 5], [6, 20, 30], loss_mask=[1, 0, 0])])
     moved = [k for k, v in a.state_dict().items() if not torch.equal(v, model.state_dict()[k])]
     assert moved and all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+
+
+def test_each_source_of_a_combined_drafter_has_its_own_draft_length(policy) -> None:
+    """With "model+group" each source is measured on its own rows: a draft model equal to the policy
+    keeps ~every token, the group's suffix matches far fewer, and neither estimate mixes in the
+    other's.  A draft model that stops paying is switched off alone: the group keeps drafting (one
+    shared rule had switched both off after a policy shift, README)."""
+    model, tok = policy
+    spec = _model_spec(build_draft(model, layers=model.config.num_hidden_layers), tail_rows=4, drafter="model+group")
+    assert set(spec.lengths) == {"group", "model"} and spec.lengths["group"] is not spec.lengths["model"]
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
+    prompts = [encode_prompt(tok, t) for t in PROMPTS[:2]]
+    sampler, gen, total = GroupSampler(StaticSlot(model), speculation=spec), torch.Generator().manual_seed(6), TailStats()
+    for _ in range(4):
+        sampler.sample_groups(prompts, 2, params, generator=gen)
+        total.add(spec.last_call)
+    assert total.model_drafted > 0 and total.group_drafted > 0, total
+    assert total.model_kept / total.model_drafted > 0.99 > total.group_kept / total.group_drafted, total
+    assert spec.lengths["model"].alpha > spec.lengths["group"].alpha
+    assert spec.lengths["group"].draft_cost < spec.lengths["model"].draft_cost
+
+    for _ in range(60):
+        spec.lengths["model"].observe(kept=0, trials=4)  # the draft model's acceptance collapses
+    assert spec.lengths["model"].k(2) == 0 and spec.lengths["group"].k(2) > 0
+    assert spec.wants_tail(2)
+    later = TailStats()
+    for _ in range(3):
+        sampler.sample_groups(prompts, 2, params, generator=gen)
+        later.add(spec.last_call)
+    assert later.group_drafted > 0 and later.model_drafted == 0, later
 
 
 def test_a_draft_equal_to_the_policy_has_every_draft_kept(policy) -> None:
