@@ -20,7 +20,9 @@ class VllmOptions(Settings):
 
 
 class SpeculativeOptions(Settings):
-    """Speculative decoding in the tail of each sampler call ([generator.speculative] table; torch backend).
+    """Speculative decoding in the tail of each sampler call ([generator.speculative] table).  With
+    backend = "vllm" only "group" and "off": "group" is then vLLM's n-gram drafter
+    (services/generator/vllm_backend.py vllm_speculative_config).
 
     Off by default: on the addition task's run shape (groups of 8, 32 groups a batch, answers of
     at most 6 tokens) the rows of a batch finish within a step or two of each other, so there is
@@ -109,7 +111,8 @@ class GeneratorSettings(Settings):
     openai: ChatEndpointOptions = Field(default_factory=ChatEndpointOptions, description="Chat endpoint options.")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM backend options (threads, KV cache, blocks).")
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions, description=(
-        "Speculative decoding of the batch's tail (torch backend): drafter, tail_rows, max_k."))
+        "Speculative decoding of the batch's tail: drafter, tail_rows, max_k (vllm backend: 'group' as vLLM's "
+        "n-gram drafter, or 'off')."))
 
     @property
     def single_turn_episodes(self) -> bool:
@@ -125,12 +128,11 @@ class GeneratorSettings(Settings):
 
     @model_validator(mode="after")
     def _speculation_needs_torch(self) -> "GeneratorSettings":
-        if self.backend == "vllm" and self.speculative.drafter != "off":
+        if self.backend == "vllm" and self.speculative.drafter not in ("off", "group"):
             raise ValueError(
-                f"[generator.speculative] drafter = {self.speculative.drafter!r} is a torch-backend feature: set "
-                "drafter = \"off\" with backend = \"vllm\", or backend = \"torch\". (vLLM's own n-gram drafting would "
-                "need its speculative_config = {method = \"ngram\", num_speculative_tokens = k, prompt_lookup_max, "
-                "prompt_lookup_min} at engine start; rlbus does not pass it yet)")
+                f"[generator.speculative] drafter = {self.speculative.drafter!r} needs backend = \"torch\" (its draft "
+                "model is swapped in at run time by rlbus's own sampler); with backend = \"vllm\" use drafter = "
+                "\"group\" (vLLM's n-gram drafting: each request's own prompt and output) or \"off\"")
         if self.speculative.drafter != "off" and self.single_turn == "episodes" and "single_turn" in self.model_fields_set:
             raise ValueError(
                 f"[generator] single_turn = \"episodes\" with [generator.speculative] drafter = "

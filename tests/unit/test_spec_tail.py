@@ -205,15 +205,19 @@ def test_draft_length_follows_acceptance_and_rows() -> None:
     assert length.k(1) == 4
 
 
-def test_settings_validation_says_the_fix(monkeypatch) -> None:
+def test_settings_validation_says_the_fix(monkeypatch, tiny_model: Path) -> None:
     for key in [k for k in __import__("os").environ if k.startswith("RLBUS_")]:
         monkeypatch.delenv(key)
     assert GeneratorSettings().speculative.drafter == "off"
+    # The vllm backend drafts with vLLM's n-gram drafter ("group"); a draft model needs the torch backend.
+    vllm = load_section(GeneratorSettings, {"generator": {"backend": "vllm", "speculative": {"drafter": "group"}}},
+                        "generator")
+    assert vllm.speculative.drafter == "group"
     with pytest.raises(ConfigError) as info:
-        load_section(GeneratorSettings, {"generator": {"backend": "vllm", "speculative": {"drafter": "group"}}},
-                     "generator")
-    assert "torch-backend feature" in str(info.value) and 'drafter = "off"' in str(info.value)
-    assert "ngram" in str(info.value)
+        load_section(GeneratorSettings, {"generator": {"backend": "vllm", "speculative": {
+            "drafter": "model", "draft_model_path": str(tiny_model)}}}, "generator")
+    assert 'needs backend = "torch"' in str(info.value)
+    assert "n-gram" in str(info.value) and '"off"' in str(info.value)
     with pytest.raises(ConfigError) as info:
         load_section(GeneratorSettings, {"generator": {"speculative": {"drafter": "group", "k": 3}}}, "generator")
     assert "[generator.speculative] unknown key 'k'" in str(info.value) and "max_k" in str(info.value)
