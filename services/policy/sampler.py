@@ -184,6 +184,17 @@ class _Completions:
         self.length += (~self.done).long()
         self.done |= torch.isin(tok, stop)
 
+    def record_rows(self, rows: torch.Tensor, tok: torch.Tensor, lp: torch.Tensor, version: int,
+                    stop: torch.Tensor) -> None:
+        """One token for each of `rows` (all still decoding) at its own length: the speculative
+        tail's rounds without drafts, whose rows stand at different lengths."""
+        at = self.length[rows]
+        self.tokens[rows, at] = tok
+        self.logps[rows, at] = lp.gather(-1, tok[:, None]).squeeze(-1)
+        self.versions[rows.cpu().numpy(), at.cpu().numpy()] = version
+        self.length[rows] = at + 1
+        self.done[rows] = torch.isin(tok, stop)
+
     def samples(self) -> list[SampleOut]:
         tokens_l = self.tokens.tolist()
         logps_np = self.logps.cpu().numpy()

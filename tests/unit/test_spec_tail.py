@@ -78,6 +78,38 @@ def test_greedy_long_generations_of_an_untrained_policy(policy) -> None:
     assert spec.last_call.kept > 0 and spec.last_call.metrics()["tokens_per_forward"] > 1.0
 
 
+class _DraftsAtSixRows(DraftLength):
+    """k = 4 at 6 rows or fewer and 0 above, whatever the acceptance: a tail entered at 8 rows
+    decodes without drafts (plain rounds) until two of its rows stop, then drafts."""
+
+    def k(self, rows: int) -> int:
+        return self.max_k if rows <= 6 else 0
+
+
+def test_rounds_without_drafts_decode_as_the_plain_loop(policy) -> None:
+    """A tail whose drafters draft nothing at its row count takes plain rounds (one token per row,
+    vectorised): greedy ids equal plain greedy and sampled tokens carry the target's log-probs, with
+    prompts of different lengths (masked columns), rows stopping at different steps and rows at the
+    budget; once fewer rows are left it drafts again (from the previous call's completions)."""
+    model, tok = policy
+    prompts = [encode_prompt(tok, t) for t in PROMPTS]  # the tiny policy's answers: 4 tokens for one, 5 for three
+    spec = Speculation(SpeculationConfig(drafter="group", tail_rows=8, max_k=4), lengths=_DraftsAtSixRows(4))
+    spec.wants_tail = lambda live_rows: live_rows <= 8  # type: ignore[method-assign]  # enter at 8 rows, k = 0
+    sampler = GroupSampler(StaticSlot(model), speculation=spec)
+    for budget in (3, 8, 8):
+        params = SamplingParams(temperature=0.0, max_new_tokens=budget)
+        plain = _ids(GroupSampler(StaticSlot(model)).sample_groups(prompts, 2, params))
+        assert _ids(sampler.sample_groups(prompts, 2, params)) == plain
+        assert spec.last_call.rounds > 0
+    assert spec.last_call.drafted > 0
+    params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=8)
+    groups = sampler.sample_groups(prompts, 2, params, generator=torch.Generator().manual_seed(5))
+    pairs = [(prompts[i], s.completion_ids) for i, g in enumerate(groups) for s in g]
+    for s, ref in zip([s for g in groups for s in g], completion_logprobs(model, pairs, params), strict=True):
+        assert torch.allclose(torch.as_tensor(s.behaviour_logprobs), ref.float(), atol=1e-4), (s, ref)
+        assert (s.token_versions == 0).all()
+
+
 def test_behaviour_logprobs_are_the_targets_processed_logprobs(policy) -> None:
     model, tok = policy
     prompts = [encode_prompt(tok, t) for t in PROMPTS[:2]]
