@@ -126,9 +126,9 @@ PER_REQUEST_SEEDS = not current_platform.is_cpu()
 # vLLM 0.32 CPU: n-gram drafting keeps greedy ids but is not exact when sampling (measured
 # 2026-12-07, bench/vllm_ngram_check.py, tests' tiny policy): its CPU rejection sampler keeps drafted
 # tokens the target gives ~e^-12 (`4+x<eos>` as the answer to a sum) and reports NaN or 0 as their
-# log-probs, in 21 to 24 of 24 sampled rows at T = 1 and at T = 0.7 / top-p 0.9 (two runs).  Exact sampling is what the
-# trainer's importance weights rely on, so CPU builds refuse it; GPU builds (vllm 0.33) are allowed
-# and not verified here (no GPU lent): check one with the same script before trusting it.
+# log-probs, in 21 to 24 of 24 sampled rows at T = 1 and at T = 0.7 / top-p 0.9 (two runs).  Exact
+# sampling is what the trainer's importance weights rely on, so CPU builds refuse it; GPU builds
+# (vllm 0.33) are allowed and not verified here (no GPU lent): check one with the same script first.
 NGRAM_EXACT = not current_platform.is_cpu()
 
 
