@@ -126,7 +126,7 @@ PER_REQUEST_SEEDS = not current_platform.is_cpu()
 # vLLM 0.32 CPU: n-gram drafting keeps greedy ids but is not exact when sampling (measured
 # 2026-12-07, bench/vllm_ngram_check.py, tests' tiny policy): its CPU rejection sampler keeps drafted
 # tokens the target gives ~e^-12 (`4+x<eos>` as the answer to a sum) and reports NaN or 0 as their
-# log-probs, in 21 to 24 of 24 sampled rows at T = 1 and at T = 0.7 / top-p 0.9 (two runs).  Exact
+# log-probs, in 21 to 24 of 24 sampled rows at T = 1 and at T = 0.7 / top-p 0.9 (three runs).  Exact
 # sampling is what the trainer's importance weights rely on, so CPU builds refuse it; GPU builds
 # (vllm 0.33) are allowed and not verified here (no GPU lent): check one with the same script first.
 NGRAM_EXACT = not current_platform.is_cpu()
@@ -310,9 +310,10 @@ def vllm_speculative_config(spec: SpeculationConfig, *, exact_ngram: bool | None
     distribution), but it matches a request's own prompt and output, not its siblings or recent
     completions.  Drafting follows the live batch as the torch tail does: k = max_k while at most
     ``tail_rows`` sequences are running, none above (vLLM's batch-size schedule), since at more
-    rows a verify forward costs more than it saves.  The draft-model drafters are refused: vLLM would need the draft's weights swapped at
-    run time, which rlbus's vLLM weight path does for the policy only.  So is n-gram drafting where it
-    is measured not to be exact (``exact_ngram``: CPU builds, see NGRAM_EXACT)."""
+    rows a verify forward costs more than it saves.  The draft-model drafters are refused: vLLM
+    would need the draft's weights swapped at run time, which rlbus's vLLM weight path does for the
+    policy only.  So is n-gram drafting where it is measured not to be exact (``exact_ngram``: CPU
+    builds, see NGRAM_EXACT)."""
     if spec.drafter == "off":
         return None
     if spec.drafter == "group" and not (NGRAM_EXACT if exact_ngram is None else exact_ngram):
