@@ -20,8 +20,8 @@ from typing import Any
 
 
 def workload(tokenizer: Any, prompts: int, seed: int = 7) -> list[list[int]]:
-    from services.policy.tokenizer import encode_prompt
-    from services.tasks.addition import make_split
+    from rlbus.services.policy.tokenizer import encode_prompt
+    from rlbus.services.tasks.addition import make_split
 
     return [list(encode_prompt(tokenizer, t.prompt)) for t in make_split("train", prompts, seed)]
 
@@ -69,7 +69,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from services.generator.backend import BACKENDS
+    from rlbus.services.generator.backend import BACKENDS
 
     torch_backend = BACKENDS.create("torch", model_path=args.model)
     t0 = time.perf_counter()

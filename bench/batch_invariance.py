@@ -6,7 +6,7 @@ reduction order starts to depend on the padded length) and a few dozen random se
 mixed lengths, token logprobs are compared bit for bit (``torch.equal`` on float32):
 
 - ``alone_vs_fixed``: today's deterministic path (each sequence alone, unpadded, eager) vs the
-  fixed-shape batch (`services.policy.exact.fixed_shape_logprobs`);
+  fixed-shape batch (`rlbus.services.policy.exact.fixed_shape_logprobs`);
 - ``neighbours``: the fixed-shape batch vs the same sequences shuffled among others (other
   neighbours, other rows);
 - ``train_grad``: no_grad in eval mode vs train() mode with autograd (the trainer's forward);
@@ -72,8 +72,8 @@ def _wide_model(vocab: int) -> torch.nn.Module:
 def per_sequence(model: torch.nn.Module, seqs: Seqs, params: Any, *, grad: bool = False) -> list[torch.Tensor]:
     """Deterministic mode before the fixed shapes (until 2026-12-05): every sequence forwarded alone,
     unpadded, with eager attention.  Kept here as the baseline the fixed shape is measured against."""
-    from services.policy.sampling import processed_logprobs
-    from services.policy.sequences import attention
+    from rlbus.services.policy.sampling import processed_logprobs
+    from rlbus.services.policy.sequences import attention
 
     out = []
     with torch.set_grad_enabled(grad), attention(model, "eager"):
@@ -88,8 +88,8 @@ def per_sequence(model: torch.nn.Module, seqs: Seqs, params: Any, *, grad: bool 
 def invariance(model: torch.nn.Module, seqs: Seqs, others: Seqs, shapes: Any, other_bucket: int) -> dict[str, Any]:
     from dataclasses import replace
 
-    from services.policy.exact import fixed_shape_logprobs
-    from services.policy.sampling import SamplingParams
+    from rlbus.services.policy.exact import fixed_shape_logprobs
+    from rlbus.services.policy.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
 
@@ -148,9 +148,9 @@ def cost(model: torch.nn.Module, seqs: Seqs, variants: Sequence[Any], repeats: i
          groups: list[tuple[list[int], list[list[int]]]] | None = None) -> dict[str, float]:
     """Median seconds per way of computing the logprobs of ``seqs``, and ratios.  ``groups``
     (the same sequences grouped by prompt) adds the trainer's default shared-prefix forward."""
-    from services.policy.exact import fixed_shape_logprobs
-    from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
-    from services.policy.sampling import SamplingParams
+    from rlbus.services.policy.exact import fixed_shape_logprobs
+    from rlbus.services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
+    from rlbus.services.policy.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0)
 
@@ -185,7 +185,7 @@ def cost(model: torch.nn.Module, seqs: Seqs, variants: Sequence[Any], repeats: i
 
 def padding_waste(lengths: Sequence[int], max_len: int) -> dict[str, float]:
     """Computed token slots / real tokens, per bucket rule (fill rows included)."""
-    from services.policy.exact import FixedShapes
+    from rlbus.services.policy.exact import FixedShapes
 
     real = sum(lengths)
     out = {}
@@ -204,9 +204,9 @@ def addition_workload(model: torch.nn.Module, tok: Any, repeats: int
                       ) -> tuple[Seqs, list[tuple[list[int], list[list[int]]]], float]:
     """32 addition prompts x 8 samples as the generator samples them: the sequences, the same
     grouped by prompt, and the median sampling seconds (what the recompute adds to)."""
-    from services.policy.sampler import GroupSampler, StaticSlot
-    from services.policy.sampling import SamplingParams
-    from services.tasks.addition import make_split
+    from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+    from rlbus.services.policy.sampling import SamplingParams
+    from rlbus.services.tasks.addition import make_split
 
     prompts = [[tok.bos_token_id, *tok.encode(t.prompt, add_special_tokens=False)] for t in make_split("train", 32, 7)]
     sampler = GroupSampler(StaticSlot(model))
@@ -232,8 +232,8 @@ def main() -> None:
     ap.add_argument("--skip-wide", action="store_true", help="only the tiny policy")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from services.policy.exact import FixedShapes
-    from services.policy.load import load_policy
+    from rlbus.services.policy.exact import FixedShapes
+    from rlbus.services.policy.load import load_policy
 
     if not (Path(args.model) / "config.json").exists():
         raise SystemExit(f"{args.model} is not a model folder: run `rlbus init-model --out {args.model}` or pass --model")

@@ -1,6 +1,6 @@
 """Bus benchmark: JetStreamBus against raw nats-py, measured in the same run on the same server.
 
-The raw side is ``bus.baseline.RawClient`` (only ``bus/`` imports nats).
+The raw side is ``rlbus.bus.baseline.RawClient`` (only ``bus/`` imports nats).
 
 Prints one JSON object.  Sections:
 - ``rollouts``: publish + consume of encoded ``schemas.RolloutGroup`` messages (~4 KiB and
@@ -33,7 +33,7 @@ MiB = 1024 * 1024
 
 
 def rollout_group(target_bytes: int, seed: int = 0) -> Any:
-    from schemas import Rollout, RolloutGroup, Task, spans_from_versions
+    from rlbus.schemas import Rollout, RolloutGroup, Task, spans_from_versions
 
     rng = np.random.default_rng(seed)
     n = max(32, (target_bytes - 400) // 9)  # int32 id + u8 mask + f32 logprob per completion token
@@ -58,7 +58,7 @@ def best(values: list[float]) -> float:
 
 async def bench_bus_rollouts(bus: Any, payload: bytes, n: int, batch: int, tag: str,
                              decode: Any) -> dict[str, float]:
-    from bus.protocol import ConsumerSpec, Delivery
+    from rlbus.bus.protocol import ConsumerSpec, Delivery
 
     s = bus.subjects
     pool = f"p{tag}"
@@ -92,9 +92,9 @@ async def bench_bus_rollouts(bus: Any, payload: bytes, n: int, batch: int, tag: 
 
 
 async def rollouts_section(url: str, quick: bool) -> dict[str, Any]:
-    from bus.baseline import RawClient
-    from bus.jetstream import JetStreamBus
-    from schemas import RolloutGroup
+    from rlbus.bus.baseline import RawClient
+    from rlbus.bus.jetstream import JetStreamBus
+    from rlbus.schemas import RolloutGroup
 
     cases = {
         "4KiB": (4 * 1024, 3000 if quick else 20000, 64),
@@ -134,7 +134,7 @@ async def rollouts_section(url: str, quick: bool) -> dict[str, Any]:
 # --- decode -----------------------------------------------------------------------------------
 
 def decode_section(quick: bool) -> dict[str, Any]:
-    from schemas import RolloutGroup
+    from rlbus.schemas import RolloutGroup
 
     raw = rollout_group(MiB).encode()
     reps = 50 if quick else 300
@@ -167,8 +167,8 @@ async def _timed(coro: Any, limit: float) -> float | None:
 
 
 async def object_section(url: str, quick: bool) -> dict[str, Any]:
-    from bus.baseline import RawClient
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.baseline import RawClient
+    from rlbus.bus.jetstream import JetStreamBus
 
     size = (64 if quick else 512) * MiB
     # Stock ``get`` appends chunk by chunk (``result.data += msg.data``): quadratic, so at 512 MiB it
@@ -221,7 +221,7 @@ async def object_section(url: str, quick: bool) -> dict[str, Any]:
 
 
 async def main_async(quick: bool) -> dict[str, Any]:
-    from bus.server import EmbeddedServer
+    from rlbus.bus.server import EmbeddedServer
 
     # tmpfs when there is one: the comparison is bus vs raw client, not this VM's disk writeback.
     store_root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts and sizes (CI)")
     args = parser.parse_args(argv)
-    from observability.logging import configure_logging
+    from rlbus.observability.logging import configure_logging
 
     configure_logging(service="bench", run="bench", level="ERROR", json=True)  # stdout is for the result
     result = asyncio.run(main_async(args.quick))

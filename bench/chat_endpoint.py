@@ -29,11 +29,11 @@ import openai
 import torch
 from aiohttp import web
 
-from bus.subjects import Subjects
-from services.chat.server import EPISODE_HEADER, ChatEndpoint
-from services.generator.settings import ChatEndpointOptions
-from services.generator.torch_backend import TorchBackend
-from services.policy.chat_model import CALCULATOR_TOOL, build_chat_model
+from rlbus.bus.subjects import Subjects
+from rlbus.services.chat.server import EPISODE_HEADER, ChatEndpoint
+from rlbus.services.generator.settings import ChatEndpointOptions
+from rlbus.services.generator.torch_backend import TorchBackend
+from rlbus.services.policy.chat_model import CALCULATOR_TOOL, build_chat_model
 
 
 class NullBus:

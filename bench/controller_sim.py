@@ -50,9 +50,9 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from schemas.metric_keys import STALE_HELD
-from services.controller.balance import BalanceState
-from services.controller.law import (
+from rlbus.schemas.metric_keys import STALE_HELD
+from rlbus.services.controller.balance import BalanceState
+from rlbus.services.controller.law import (
     GeneratorView,
     TrainerView,
     allowed_started,

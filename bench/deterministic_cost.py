@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from services.policy.exact import DETERMINISTIC_SHAPES
-from services.policy.exact_attention import EXACT_ATTN
+from rlbus.services.policy.exact import DETERMINISTIC_SHAPES
+from rlbus.services.policy.exact_attention import EXACT_ATTN
 
 
 def main() -> None:
@@ -28,11 +28,11 @@ def main() -> None:
     ap.add_argument("--completion-tokens", type=int, default=0, help="force every completion to this length (0: the task's)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from services.policy.load import load_policy
-    from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
-    from services.policy.sampler import GroupSampler, StaticSlot
-    from services.policy.sampling import SamplingParams
-    from services.tasks.addition import make_split
+    from rlbus.services.policy.load import load_policy
+    from rlbus.services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
+    from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+    from rlbus.services.policy.sampling import SamplingParams
+    from rlbus.services.tasks.addition import make_split
 
     model, tok = load_policy("models/tiny-addition")
     prompts = [[tok.bos_token_id, *tok.encode(t.prompt, add_special_tokens=False)] for t in make_split("train", 32, 7)]

@@ -45,17 +45,17 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.policy.episodes import EpisodeEngine  # noqa: E402
-from services.policy.model_init import tiny_config  # noqa: E402
-from services.policy.sampler import StaticSlot  # noqa: E402
-from services.policy.sampling import SamplingParams  # noqa: E402
-from services.policy.tokenizer import build_char_tokenizer, encode_prompt  # noqa: E402
-from services.tasks.addition import make_split  # noqa: E402
+from rlbus.services.policy.episodes import EpisodeEngine  # noqa: E402
+from rlbus.services.policy.model_init import tiny_config  # noqa: E402
+from rlbus.services.policy.sampler import StaticSlot  # noqa: E402
+from rlbus.services.policy.sampling import SamplingParams  # noqa: E402
+from rlbus.services.policy.tokenizer import build_char_tokenizer, encode_prompt  # noqa: E402
+from rlbus.services.tasks.addition import make_split  # noqa: E402
 
 
 def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, Any]:
     if args.model:
-        from services.policy.load import load_policy
+        from rlbus.services.policy.load import load_policy
 
         return load_policy(args.model)
     tokenizer = build_char_tokenizer()
@@ -128,7 +128,7 @@ def _tokens_per_cpu_s(sample: Any) -> float:
 
 def _single_turn(model: torch.nn.Module, tokenizer: Any, repeats: int) -> dict[str, float]:
     """Single-turn sampling, GroupSampler vs the engine: 32 prompts x 8 samples x <= 16 tokens."""
-    from services.policy.sampler import GroupSampler
+    from rlbus.services.policy.sampler import GroupSampler
 
     prompts = [encode_prompt(tokenizer, t.prompt) for t in make_split("train", 32, seed=1)]
     params = SamplingParams(temperature=1.0, max_new_tokens=16)

@@ -43,8 +43,8 @@ def latency_s(episode: int, turn: int, seed: int) -> float:
 
 
 def prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
-    from services.policy.tokenizer import encode_prompt
-    from services.tasks.addition import make_split
+    from rlbus.services.policy.tokenizer import encode_prompt
+    from rlbus.services.tasks.addition import make_split
 
     return [list(encode_prompt(tokenizer, t.prompt)) for t in make_split("train", n, seed)]
 
@@ -53,7 +53,7 @@ def prompts(tokenizer: Any, n: int, seed: int) -> list[list[int]]:
 async def batch_sync(engine: Any, work: list[list[int]], obs: list[int], args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from services.policy.sampling import SamplingParams
+    from rlbus.services.policy.sampling import SamplingParams
 
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.tokens)
     rng = torch.Generator().manual_seed(args.seed)
@@ -83,8 +83,8 @@ async def batch_sync(engine: Any, work: list[list[int]], obs: list[int], args: a
 # --- the generator's episode driver on the in-memory bus -----------------------------------------
 async def per_episode(backend: Any, work: list[list[int]], obs: list[int], args: argparse.Namespace,
                       run_dir: Path) -> dict[str, Any]:
-    from bus.memory import MemoryBus
-    from schemas import (
+    from rlbus.bus.memory import MemoryBus
+    from rlbus.schemas import (
         EnvReply,
         EnvReplyBatch,
         EnvResetBatch,
@@ -94,10 +94,10 @@ async def per_episode(backend: Any, work: list[list[int]], obs: list[int], args:
         SamplingParams,
         Task,
     )
-    from services.generator import service as generator_service
-    from services.generator.settings import GeneratorSettings
-    from services.runtime.config import RunSettings
-    from services.runtime.lifecycle import Lifecycle
+    from rlbus.services.generator import service as generator_service
+    from rlbus.services.generator.settings import GeneratorSettings
+    from rlbus.services.runtime.config import RunSettings
+    from rlbus.services.runtime.lifecycle import Lifecycle
 
     bus = MemoryBus("bench")
     s = bus.subjects
@@ -149,8 +149,8 @@ async def per_episode(backend: Any, work: list[list[int]], obs: list[int], args:
 def kv_cost(slot: Any, work: list[list[int]], obs: list[int], args: argparse.Namespace, keep_kv: bool) -> dict[str, Any]:
     import torch
 
-    from services.policy.episodes import EpisodeEngine
-    from services.policy.sampling import SamplingParams
+    from rlbus.services.policy.episodes import EpisodeEngine
+    from rlbus.services.policy.sampling import SamplingParams
 
     engine = EpisodeEngine(slot, keep_kv=keep_kv)
     params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=args.tokens)
@@ -191,8 +191,8 @@ def main() -> None:
 
     import torch
 
-    from observability.logging import configure_logging
-    from services.generator.torch_backend import TorchBackend
+    from rlbus.observability.logging import configure_logging
+    from rlbus.services.generator.torch_backend import TorchBackend
 
     configure_logging(service="bench", run="episodes", level="WARNING")  # logs to stderr: stdout is the JSON
     torch.set_num_threads(1)
@@ -207,7 +207,7 @@ def main() -> None:
         work = prompts(tok, args.episodes, args.seed + rep)
         with tempfile.TemporaryDirectory() as run_dir:
             runs["per_episode"].append(asyncio.run(per_episode(backend, work, obs, args, Path(run_dir))))
-        from services.policy.episodes import EpisodeEngine
+        from rlbus.services.policy.episodes import EpisodeEngine
 
         runs["batch_sync"].append(asyncio.run(batch_sync(EpisodeEngine(backend.slot), work, obs, args)))
     for name, rs in runs.items():

@@ -40,11 +40,11 @@ def main() -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from bench.backend_throughput import measure, workload
-    from services.generator.backend import BACKENDS
-    from services.policy.load import load_policy
-    from services.policy.logprobs import completion_logprobs
-    from services.policy.sampling import SamplingParams
-    from services.trainer.mismatch import mismatch_metrics
+    from rlbus.services.generator.backend import BACKENDS
+    from rlbus.services.policy.load import load_policy
+    from rlbus.services.policy.logprobs import completion_logprobs
+    from rlbus.services.policy.sampling import SamplingParams
+    from rlbus.services.trainer.mismatch import mismatch_metrics
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     out: dict[str, Any] = {"bench": "gpu_check", "device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu",

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.trl_grpo import _tokenizer_with_bos, greedy_heldout_accuracy  # noqa: E402
-from services.tasks.addition import AdditionTask, make_split  # noqa: E402
+from rlbus.services.tasks.addition import AdditionTask, make_split  # noqa: E402
 
 CHUNK = 500  # prompts per generate call: bounds the batch's memory, not the result
 

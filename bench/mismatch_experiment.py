@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.up.monitor import load_metrics
+from rlbus.services.up.monitor import load_metrics
 
 RUNS = {
     "fp32 (no gap), tis": {"generator": {"dtype": "float32"}, "trainer.objective": {"correction": "tis"}},
@@ -61,7 +61,7 @@ def main() -> int:
         cfg = out / f"{slug}.toml"
         cfg.write_text(_toml(args.model, args.steps, extra, args.lr))
         run_dir = out / slug
-        proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--run-dir", str(run_dir),
+        proc = subprocess.run([sys.executable, "-m", "rlbus.services.cli", "up", str(cfg), "--run-dir", str(run_dir),
                                "--no-view"], capture_output=True, text=True)
         rows = load_metrics(run_dir / "metrics.jsonl")
         train = [r for r in rows if r["kind"] == "train"]

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from services.up.monitor import load_metrics
+from rlbus.services.up.monitor import load_metrics
 
 
 def _events(path: Path, name: str) -> dict[int, float]:
@@ -161,7 +161,8 @@ def main() -> int:
         cfg = run_dir.parent / "bench.toml"
         cfg.write_text(with_settings("[up]\nstop_at_accuracy = 0.0\n[controller]\neval_every = 50\n", args.extra,
                                      flag="--with"))
-        subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--steps", str(args.run), "--run-dir",
+        subprocess.run([sys.executable, "-m", "rlbus.services.cli",
+                        "up", str(cfg), "--steps", str(args.run), "--run-dir",
                         str(run_dir), "--no-view"], check=True, capture_output=True)
     elif args.run_dir:
         run_dir = Path(args.run_dir)

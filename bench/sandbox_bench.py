@@ -21,7 +21,7 @@ import os
 import platform
 import time
 
-from services.sandbox import Sandbox, SandboxSettings, probe
+from rlbus.services.sandbox import Sandbox, SandboxSettings, probe
 
 PROGRAMS = {
     "trivial": "pass",

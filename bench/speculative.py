@@ -45,13 +45,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.speculative_accept import _model  # noqa: E402
 from bench.speculative_tail import Shape, add_speedups, one_pass  # noqa: E402
-from services.policy.distill import DraftDistiller, PolicySample  # noqa: E402
-from services.policy.draft_model import build_draft  # noqa: E402
-from services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
-from services.policy.sampling import SamplingParams  # noqa: E402
-from services.policy.spec_tail import FixedDraftLength, Speculation, SpeculationConfig, TailStats  # noqa: E402
-from services.policy.tokenizer import encode_prompt  # noqa: E402
-from services.tasks.addition import make_split  # noqa: E402
+from rlbus.services.policy.distill import DraftDistiller, PolicySample  # noqa: E402
+from rlbus.services.policy.draft_model import build_draft  # noqa: E402
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
+from rlbus.services.policy.sampling import SamplingParams  # noqa: E402
+from rlbus.services.policy.spec_tail import FixedDraftLength, Speculation, SpeculationConfig, TailStats  # noqa: E402
+from rlbus.services.policy.tokenizer import encode_prompt  # noqa: E402
+from rlbus.services.tasks.addition import make_split  # noqa: E402
 
 SpecFactory = Callable[[int], Speculation | None]  # tail_rows -> a fresh tail (or None: off)
 

@@ -46,19 +46,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.policy.drafters import GroupDrafter, RecentCompletions  # noqa: E402
-from services.policy.sampler import GroupSampler, StaticSlot, _stop_ids  # noqa: E402
-from services.policy.sampling import SamplingParams, processed_logprobs  # noqa: E402
-from services.policy.speculative import accept_drafts  # noqa: E402
-from services.policy.tokenizer import encode_prompt  # noqa: E402
-from services.tasks.addition import make_split  # noqa: E402
+from rlbus.services.policy.drafters import GroupDrafter, RecentCompletions  # noqa: E402
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot, _stop_ids  # noqa: E402
+from rlbus.services.policy.sampling import SamplingParams, processed_logprobs  # noqa: E402
+from rlbus.services.policy.speculative import accept_drafts  # noqa: E402
+from rlbus.services.policy.tokenizer import encode_prompt  # noqa: E402
+from rlbus.services.tasks.addition import make_split  # noqa: E402
 
 
 def _model(path: str | None) -> tuple[Any, Any]:
-    from services.policy.load import load_policy
+    from rlbus.services.policy.load import load_policy
 
     if path is None:  # the tests' fixture model: cached under tests/.cache, built when missing
-        from services.policy.model_init import init_model
+        from rlbus.services.policy.model_init import init_model
         from tests.conftest import CACHE, _model_key
 
         folder = CACHE / f"tiny-addition-seed0-{_model_key()}"

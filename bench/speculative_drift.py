@@ -60,13 +60,13 @@ sys.path.insert(0, str(ROOT))
 
 from bench.speculative import distilled_draft, draft_options  # noqa: E402
 from bench.speculative_accept import _model  # noqa: E402
-from services.policy.distill import DraftDistiller, PolicySample  # noqa: E402
-from services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
-from services.policy.sampling import SamplingParams  # noqa: E402
-from services.policy.spec_tail import FixedDraftLength, Speculation, SpeculationConfig, TailStats  # noqa: E402
-from services.policy.tokenizer import encode_prompt  # noqa: E402
-from services.policy.weight_slot import WeightSlot  # noqa: E402
-from services.tasks.addition import make_split  # noqa: E402
+from rlbus.services.policy.distill import DraftDistiller, PolicySample  # noqa: E402
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
+from rlbus.services.policy.sampling import SamplingParams  # noqa: E402
+from rlbus.services.policy.spec_tail import FixedDraftLength, Speculation, SpeculationConfig, TailStats  # noqa: E402
+from rlbus.services.policy.tokenizer import encode_prompt  # noqa: E402
+from rlbus.services.policy.weight_slot import WeightSlot  # noqa: E402
+from rlbus.services.tasks.addition import make_split  # noqa: E402
 
 # *_fixed_k: the draft models at k = max_k every round, what they accept whatever they cost (the
 # adaptive rule switches a draft off where its cost outweighs its gain, leaving nothing to compare).

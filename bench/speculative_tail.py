@@ -37,11 +37,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.speculative_accept import _model  # noqa: E402
-from services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
-from services.policy.sampling import SamplingParams  # noqa: E402
-from services.policy.spec_tail import Speculation, SpeculationConfig, TailStats  # noqa: E402
-from services.policy.tokenizer import encode_prompt  # noqa: E402
-from services.tasks.addition import make_split  # noqa: E402
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot  # noqa: E402
+from rlbus.services.policy.sampling import SamplingParams  # noqa: E402
+from rlbus.services.policy.spec_tail import Speculation, SpeculationConfig, TailStats  # noqa: E402
+from rlbus.services.policy.tokenizer import encode_prompt  # noqa: E402
+from rlbus.services.tasks.addition import make_split  # noqa: E402
 
 
 @dataclass

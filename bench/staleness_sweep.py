@@ -22,14 +22,14 @@ import tempfile
 from pathlib import Path
 
 from bench.pipeline_bench import report
-from services.up.monitor import load_metrics
+from rlbus.services.up.monitor import load_metrics
 
 
 def one(bound: int, steps: int, root: Path) -> dict[str, object]:
     run_dir = root / f"s{bound}"
     cfg = root / f"s{bound}.toml"
     cfg.write_text(f"[run]\nmax_staleness = {bound}\n[up]\nstop_at_accuracy = 0.0\n[controller]\neval_every = 10\n")
-    subprocess.run([sys.executable, "-m", "services.cli", "up", str(cfg), "--steps", str(steps), "--run-dir",
+    subprocess.run([sys.executable, "-m", "rlbus.services.cli", "up", str(cfg), "--steps", str(steps), "--run-dir",
                     str(run_dir), "--no-view"], check=True, capture_output=True)
     rows = load_metrics(run_dir / "metrics.jsonl")
     train = [r for r in rows if r["kind"] == "train"]

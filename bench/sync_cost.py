@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bus.jetstream import JetStreamBus
-from bus.retention import Retention
-from bus.server import EmbeddedServer, cluster_nodes
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.retention import Retention
+from rlbus.bus.server import EmbeddedServer, cluster_nodes
 
 MESSAGE_BYTES = 1024
 SETTINGS = {"default": None, "always": "always"}
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=None, help="where the servers store (default: the temp dir; "
                         "the point is the disk the servers would use, so not a tmpfs)")
     args = parser.parse_args(argv)
-    from observability.logging import configure_logging
+    from rlbus.observability.logging import configure_logging
 
     configure_logging(service="bench", run="bench", level="ERROR", json=True)  # stdout is for the result
     result = asyncio.run(main_async(args))

@@ -56,7 +56,7 @@ def main() -> None:
         config = Path(tmp) / "run.toml"
         config.write_text(CONFIG.format(model=Path(args.model).resolve()))
         env = {**os.environ, "PYTHONPATH": str(code), "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
-        proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir",
+        proc = subprocess.Popen([sys.executable, "-m", "rlbus.services.cli", "up", str(config), "--run-dir",
                                  str(Path(tmp) / "run"), "--no-view"], cwd=code, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(args.seconds)

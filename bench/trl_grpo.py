@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from services.policy.tokenizer import encode_prompt  # noqa: E402
-from services.tasks.addition import AdditionTask, make_split, score  # noqa: E402
+from rlbus.services.policy.tokenizer import encode_prompt  # noqa: E402
+from rlbus.services.tasks.addition import AdditionTask, make_split, score  # noqa: E402
 
 GROUP_SIZE = 8
 PROMPTS_PER_STEP = 32

@@ -34,14 +34,14 @@ def main() -> None:
     parser.add_argument("--out", default="", help="also write the JSON report to this file")
     args = parser.parse_args()
 
-    import services.generator.vllm_backend as vb
-    from services.generator.backend import BACKENDS
-    from services.policy.load import load_policy
-    from services.policy.logprobs import completion_logprobs
-    from services.policy.sampler import GroupSampler, StaticSlot
-    from services.policy.sampling import SamplingParams
-    from services.policy.tokenizer import encode_prompt
-    from services.tasks.addition import make_split
+    import rlbus.services.generator.vllm_backend as vb
+    from rlbus.services.generator.backend import BACKENDS
+    from rlbus.services.policy.load import load_policy
+    from rlbus.services.policy.logprobs import completion_logprobs
+    from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+    from rlbus.services.policy.sampling import SamplingParams
+    from rlbus.services.policy.tokenizer import encode_prompt
+    from rlbus.services.tasks.addition import make_split
 
     torch.set_num_threads(1)
     setting = vb.NGRAM_EXACT  # what the backend decides for this build, reported beside the measurement

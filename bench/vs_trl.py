@@ -94,7 +94,7 @@ def ensure_model(path: Path) -> None:
     if (path / "config.json").exists():
         return
     log(f"no model at {path}: building it with `rlbus init-model` …")
-    subprocess.run([sys.executable, "-m", "services.cli", "init-model", "--out", str(path)], check=True, cwd=ROOT,
+    subprocess.run([sys.executable, "-m", "rlbus.services.cli", "init-model", "--out", str(path)], check=True, cwd=ROOT,
                    env=child_env())
 
 
@@ -122,7 +122,7 @@ def run_trl(model: Path, budget: float, work: Path) -> dict[str, Any]:
 
 
 def write_greedy_heldout(path: Path) -> None:
-    from services.tasks.addition import make_split, task_record
+    from rlbus.services.tasks.addition import make_split, task_record
 
     with path.open("w") as fh:
         for task in make_split("heldout", EVAL_TASKS, EVAL_SEED):
@@ -254,7 +254,7 @@ def posthoc_curve(model: Path, archive: dict[int, Path], produced_at: dict[int, 
     from transformers import AutoModelForCausalLM
 
     from bench.trl_grpo import _tokenizer_with_bos, greedy_heldout_accuracy
-    from services.tasks.addition import make_split
+    from rlbus.services.tasks.addition import make_split
 
     torch.set_num_threads(1)  # as TRL's in-process evaluation
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
@@ -304,7 +304,7 @@ def run_rlbus(model: Path, budget: float, work: Path, eval_mode: str, *, determi
     archive = VersionArchive(run_dir, work / "versions")
     if eval_mode == "posthoc":
         archive.thread.start()
-    cmd = [sys.executable, "-m", "services.cli", "up", str(cfg), "--run-dir", str(run_dir), "--no-view"]
+    cmd = [sys.executable, "-m", "rlbus.services.cli", "up", str(cfg), "--run-dir", str(run_dir), "--no-view"]
     log(f"rlbus: {' '.join(cmd)}")
     launched = time.time()
     out_log = open(work / "rlbus.log", "w")
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="vs-trl-"))
     work.mkdir(parents=True, exist_ok=True)
     log(f"work dir {work}")
-    from services.policy.model_info import MODEL_INFO_FILE
+    from rlbus.services.policy.model_info import MODEL_INFO_FILE
 
     info_file = model / MODEL_INFO_FILE
     info = json.loads(info_file.read_text()) if info_file.exists() else {}

@@ -3,19 +3,19 @@
 Public names:
 - the contract: ``Bus``, ``ConsumerSpec``, ``Delivery``, ``Puller``, ``ObjectStore``, ``ObjectInfo``,
   ``Retry``/``Poison`` outcomes, ``StreamState``/``ConsumerState`` and the ``BusError`` family;
-- ``open_bus(url, run, name=...)`` -> a real JetStream bus (``bus.jetstream.JetStreamBus``);
+- ``open_bus(url, run, name=...)`` -> a real JetStream bus (``rlbus.bus.jetstream.JetStreamBus``);
 - ``MemoryBus`` for handler tests; ``EmbeddedServer`` for ``rlbus up``/``rlbus nats``/tests;
 - ``Subjects``: every subject, stream, durable and bucket name of a run.
 
-``bus.jetstream``/``bus.memory``/``bus.server`` are imported lazily so importing ``bus`` stays cheap.
+``rlbus.bus.jetstream``/``rlbus.bus.memory``/``rlbus.bus.server`` are imported lazily so importing ``bus`` stays cheap.
 
-Inside the package: ``JetStreamBus`` (``bus.jetstream``) is a thin front over one ``Connection``
-(``bus.connection``: the nats client, streams, publisher, claim check, dead letters, background
-tasks); ``bus.consume`` (the consume loop), ``bus.puller`` and ``bus.watch`` work only through
+Inside the package: ``JetStreamBus`` (``rlbus.bus.jetstream``) is a thin front over one ``Connection``
+(``rlbus.bus.connection``: the nats client, streams, publisher, claim check, dead letters, background
+tasks); ``rlbus.bus.consume`` (the consume loop), ``rlbus.bus.puller`` and ``rlbus.bus.watch`` work only through
 the connection's public methods.  Both buses share the decode step and the handler outcome rules
-(``bus.outcome``), dead-letter records (``bus.deadletter``) and header checks (``bus.headers``);
-``bus.heartbeat`` keeps held deliveries alive on the real server; ``bus.retention`` holds the
-streams' limits and ``bus.advisories`` turns captured max-deliveries advisories into dead letters.  ``bus.baseline`` is the raw
+(``rlbus.bus.outcome``), dead-letter records (``rlbus.bus.deadletter``) and header checks (``rlbus.bus.headers``);
+``rlbus.bus.heartbeat`` keeps held deliveries alive on the real server; ``rlbus.bus.retention`` holds the
+streams' limits and ``rlbus.bus.advisories`` turns captured max-deliveries advisories into dead letters.  ``rlbus.bus.baseline`` is the raw
 nats-py client the bus benchmark compares against.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from bus.connect import open_bus
-from bus.protocol import (
+from rlbus.bus.connect import open_bus
+from rlbus.bus.protocol import (
     BadObjectName,
     Bus,
     BusClosed,
@@ -47,12 +47,12 @@ from bus.protocol import (
     StreamFull,
     StreamState,
 )
-from bus.subjects import SubjectError, Subjects
+from rlbus.bus.subjects import SubjectError, Subjects
 
 if TYPE_CHECKING:
-    from bus.jetstream import JetStreamBus
-    from bus.memory import MemoryBus
-    from bus.server import EmbeddedServer, ServerError
+    from rlbus.bus.jetstream import JetStreamBus
+    from rlbus.bus.memory import MemoryBus
+    from rlbus.bus.server import EmbeddedServer, ServerError
 
 __all__ = [
     "BadObjectName", "Bus", "BusClosed", "BusConfigError", "BusError", "ConsumerSpec", "ConsumerState", "Delivery",
@@ -64,15 +64,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "JetStreamBus":
-        from bus.jetstream import JetStreamBus
+        from rlbus.bus.jetstream import JetStreamBus
 
         return JetStreamBus
     if name == "MemoryBus":
-        from bus.memory import MemoryBus
+        from rlbus.bus.memory import MemoryBus
 
         return MemoryBus
     if name in ("EmbeddedServer", "ServerError", "run_foreground"):
-        import bus.server as server
+        import rlbus.bus.server as server
 
         return getattr(server, name)
     raise AttributeError(f"module 'bus' has no attribute {name!r}")

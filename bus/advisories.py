@@ -4,7 +4,7 @@ A message that exhausts its consumer's ``max_deliver`` stays in its stream; the 
 ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.<stream>.<consumer>`` — a core NATS message that is
 gone if nobody is subscribed at that moment (the consuming service crashed, or was stopped, while
 holding the message's last delivery).  So each run has an ``ADVISORIES`` work-queue stream that
-captures these advisories for the run's streams (``bus.streams.advisory_declaration``), and a
+captures these advisories for the run's streams (``rlbus.bus.streams.advisory_declaration``), and a
 connection that consumes a durable also pulls from that durable's own advisory durable
 (``Subjects.advisory_durable``, filtered on its one advisory subject): an advisory emitted while
 no service was up waits there until one connects.
@@ -15,7 +15,7 @@ a generator an advisory about a SCORED message it was refused to read, and it co
 back, over and over, until the trainer's connection happened to pull it.  Now each advisory goes
 to a connection that holds the durable, and may read the message (its grants say so).  A run made
 before this had one unfiltered shared durable; it is removed at the first declaration it blocks
-(``bus.streams.ensure_advisory_consumer``) and the advisories it held are read by the new ones.
+(``rlbus.bus.streams.ensure_advisory_consumer``) and the advisories it held are read by the new ones.
 
 For each advisory the connection copies the stored message byte for byte to DEAD with reason
 ``max_deliveries`` (``Connection.dead_letter_stored``) and acks the advisory only then; if the
@@ -32,11 +32,11 @@ from typing import TYPE_CHECKING, Any
 
 from nats.aio.msg import Msg
 
-from bus.protocol import BusClosed
-from bus.streams import ensure_advisory_consumer
+from rlbus.bus.protocol import BusClosed
+from rlbus.bus.streams import ensure_advisory_consumer
 
 if TYPE_CHECKING:
-    from bus.connection import Connection
+    from rlbus.bus.connection import Connection
 
 FETCH_WAIT_S = 5.0
 RETRY_S = (1.0, 30.0)  # backoff (base, cap) of a failed dead letter or a failed pull

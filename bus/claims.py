@@ -39,13 +39,13 @@ from typing import TYPE_CHECKING, Any
 
 from nats.js.errors import APIError
 
-from bus.outage import through_outage
-from bus.protocol import BusConfigError, BusError, ClaimsCollected, DigestMismatch, ObjectNotFound, ObjectStore
-from bus.routing import stream_kind_of
-from bus.subjects import STREAM_KINDS, Subjects
+from rlbus.bus.outage import through_outage
+from rlbus.bus.protocol import BusConfigError, BusError, ClaimsCollected, DigestMismatch, ObjectNotFound, ObjectStore
+from rlbus.bus.routing import stream_kind_of
+from rlbus.bus.subjects import STREAM_KINDS, Subjects
 
-if TYPE_CHECKING:  # bus.objects imports bus.publish, which imports this module
-    from bus.objects import JetStreamObjectStore, StoredObject
+if TYPE_CHECKING:  # rlbus.bus.objects imports rlbus.bus.publish, which imports this module
+    from rlbus.bus.objects import JetStreamObjectStore, StoredObject
 
 CLAIM_HEADER = "Rlbus-Claim"
 CLAIM_SIZE_HEADER = "Rlbus-Claim-Size"

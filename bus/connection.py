@@ -1,26 +1,26 @@
 """``Connection``: one NATS connection of a ``JetStreamBus`` and everything its parts share.
 
-``JetStreamBus`` is the service-facing ``Bus``; its parts — the consume loop (``bus.consume``),
-pullers (``bus.puller``), watches (``bus.watch``) — work through the public methods of this one
+``JetStreamBus`` is the service-facing ``Bus``; its parts — the consume loop (``rlbus.bus.consume``),
+pullers (``rlbus.bus.puller``), watches (``rlbus.bus.watch``) — work through the public methods of this one
 object and never reach into the bus.  It owns:
 
 - the nats client (``nc``), its JetStream context (``js``) and API prefix, the run's ``Subjects``,
   the run's object store and the claim check on it, the publisher, the logger;
 - the open/closed state and the background tasks (``spawn``), cancelled or finished on close;
 - consumer declaration (``ensure_consumer``, once per durable; changed tunables are updated in
-  place, ``bus.streams``), and with each one the follower of that durable's captured
-  max-deliveries advisories (``bus.advisories``);
+  place, ``rlbus.bus.streams``), and with each one the follower of that durable's captured
+  max-deliveries advisories (``rlbus.bus.advisories``);
 - the last handler error per stored message (``note_error``), so the max-deliveries dead letter
   says what went wrong, and the retry backoff of failed handlers.
 
 Max deliveries: a message that exhausts ``max_deliver`` stays in its stream and the server emits
 an advisory, which the run's ADVISORIES stream keeps until a connection acts on it — even one that
-connects later (``bus.advisories``).  ``dead_letter_stored`` copies the message byte for byte to
+connects later (``rlbus.bus.advisories``).  ``dead_letter_stored`` copies the message byte for byte to
 DEAD with reason ``max_deliveries`` and the last handler error seen, then deletes it from a
 work-queue stream — so it is neither lost nor stuck.
 
 Server outages: the client reconnects forever (``max_reconnect_attempts=-1``); publishes wait
-for the reconnect under a long outage deadline (``bus.publish``); consume loops, pullers and
+for the reconnect under a long outage deadline (``rlbus.bus.publish``); consume loops, pullers and
 watches resume on the new connection.
 """
 
@@ -36,28 +36,28 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.errors import NotFoundError
 
-from bus.advisories import MaxDeliveries
-from bus.claims import CLAIM_HEADER, CLOCK_SLACK_S, ClaimCheck, ClaimCollector
-from bus.credentials import Credentials, CredentialsError, inbox_prefix
-from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
-from bus.objects import JetStreamObjectStore
-from bus.outage import api_errors, through_outage
-from bus.permissions import Denials
-from bus.protocol import BusClosed, BusError, ClaimsCollected, ConsumerSpec, StreamFull
-from bus.publish import Publisher
-from bus.pull import PullInbox
-from bus.retention import Retention
-from bus.routing import WORK_QUEUES, stream_kind_of
-from bus.streams import PlacementWait, ensure_consumer, ensure_streams, limit_key
-from bus.subjects import STREAM_KINDS, Subjects
-from bus.urls import BadServerURL, redact_url, server_urls, url_has_userinfo, url_user
-from observability.logging import get_logger
+from rlbus.bus.advisories import MaxDeliveries
+from rlbus.bus.claims import CLAIM_HEADER, CLOCK_SLACK_S, ClaimCheck, ClaimCollector
+from rlbus.bus.credentials import Credentials, CredentialsError, inbox_prefix
+from rlbus.bus.deadletter import build_dead_letter, dead_letter_id, never_acked
+from rlbus.bus.objects import JetStreamObjectStore
+from rlbus.bus.outage import api_errors, through_outage
+from rlbus.bus.permissions import Denials
+from rlbus.bus.protocol import BusClosed, BusError, ClaimsCollected, ConsumerSpec, StreamFull
+from rlbus.bus.publish import Publisher
+from rlbus.bus.pull import PullInbox
+from rlbus.bus.retention import Retention
+from rlbus.bus.routing import WORK_QUEUES, stream_kind_of
+from rlbus.bus.streams import PlacementWait, ensure_consumer, ensure_streams, limit_key
+from rlbus.bus.subjects import STREAM_KINDS, Subjects
+from rlbus.bus.urls import BadServerURL, redact_url, server_urls, url_has_userinfo, url_user
+from rlbus.observability.logging import get_logger
 
 T = TypeVar("T")
 
 KiB, MiB = 1024, 1024 * 1024
 CLAIM_HEADROOM = 512 * KiB
-DEFAULT_PUBLISH_OUTAGE_S = 900.0  # see bus.publish: how long a publish waits out a server outage
+DEFAULT_PUBLISH_OUTAGE_S = 900.0  # see rlbus.bus.publish: how long a publish waits out a server outage
 LAST_ERRORS_KEPT = 10_000  # only needed until the advisory arrives
 DECLARE_ATTEMPT_S = 2.0  # one try of a stream or durable declaration (see ``Connection.js_declare``)
 
@@ -334,7 +334,7 @@ class Connection:
         await self.publisher.publish_many(items, headers=headers, item_headers=item_headers)
 
     async def resolve(self, data: bytes, headers: dict[str, str]) -> tuple[bytes, dict[str, str], str | None]:
-        """The original bytes of a possibly claim-checked message (see ``bus.claims``)."""
+        """The original bytes of a possibly claim-checked message (see ``rlbus.bus.claims``)."""
         return await self.claims.resolve(data, headers)
 
     @staticmethod
@@ -413,7 +413,7 @@ class Connection:
     async def dead_letter(self, origin_subject: str, data: bytes, *, error: str, reason: str, deliveries: int = 1,
                           headers: dict[str, str] | None = None, msg_id: str | None = None,
                           stream_seq: int = 0) -> None:
-        """Record a bad message on DEAD (see ``bus.deadletter``); large originals by claim check."""
+        """Record a bad message on DEAD (see ``rlbus.bus.deadletter``); large originals by claim check."""
         subject, letter, msg_id = build_dead_letter(
             self.subjects, origin_subject, data, error=error, reason=reason, deliveries=deliveries,
             headers=headers, service=self.name, msg_id=msg_id, stream_seq=stream_seq)

@@ -6,7 +6,7 @@ The loop has three kinds of task around one ``Durable`` (inbox, decode, heartbea
   messages are handled as they arrive and never more than ``max(batch, concurrency)`` are held
   locally (their ack timers run while they wait; the heartbeat covers them);
 - ``concurrency`` *workers* take messages from the inbox's buffer and run them through the
-  shared outcome rules (``bus.outcome``);
+  shared outcome rules (``rlbus.bus.outcome``);
 - on cancellation, the *graceful stop*: no new pulls, running handlers get ``grace`` seconds to
   finish, then are cancelled (and so naked); messages still buffered, or brought by the last
   pull before it expires, are naked at once so another replica gets them now, not after
@@ -26,11 +26,11 @@ from typing import Any, Generic, TypeVar
 
 from nats.aio.msg import Msg
 
-from bus.connection import Connection
-from bus.durable import Durable
-from bus.outcome import Outcomes
-from bus.protocol import BusClosed, ConsumerSpec, Delivery, Handler
-from bus.pull import PullInbox
+from rlbus.bus.connection import Connection
+from rlbus.bus.durable import Durable
+from rlbus.bus.outcome import Outcomes
+from rlbus.bus.protocol import BusClosed, ConsumerSpec, Delivery, Handler
+from rlbus.bus.pull import PullInbox
 
 T = TypeVar("T")
 

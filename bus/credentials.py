@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bus.protocol import BusError
+from rlbus.bus.protocol import BusError
 
 PASSWORD_ENV = "RLBUS_NATS_PASSWORD"
 # The CLI tools (publish, status, streams, control) read the same variables the run config does.

@@ -15,9 +15,9 @@ from __future__ import annotations
 import hashlib
 import time
 
-from bus.routing import origin_token
-from bus.subjects import Subjects
-from schemas import DeadLetter
+from rlbus.bus.routing import origin_token
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import DeadLetter
 
 
 def dead_letter_id(stream: str, stream_seq: int) -> str:

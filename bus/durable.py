@@ -1,7 +1,7 @@
 """One durable pull consumer on a ``Connection``: its pull inbox, and raw message -> ``Delivery``.
 
-What a consume loop (``bus.consume``) and a puller (``bus.puller``) share.  A raw message is
-claim-check resolved, wrapped with a ``JetStreamSettle`` and decoded by ``bus.outcome.decoded``
+What a consume loop (``rlbus.bus.consume``) and a puller (``rlbus.bus.puller``) share.  A raw message is
+claim-check resolved, wrapped with a ``JetStreamSettle`` and decoded by ``rlbus.bus.outcome.decoded``
 (a malformed message is dead-lettered there and never handed out).  With a ``Heartbeat``, every
 message is held from the moment it lands in the inbox's buffer until it is settled; once it is a
 delivery, a consume loop holds it until its handler is done, a puller (``weakly``) as long as
@@ -26,15 +26,15 @@ from typing import Any
 import nats.errors
 from nats.aio.msg import Msg
 
-from bus.claims import CLAIM_HEADER
-from bus.connection import Connection
-from bus.deadletter import dead_letter_id
-from bus.heartbeat import Heartbeat
-from bus.outage import UNANSWERED
-from bus.outcome import decoded
-from bus.protocol import BusClosed, BusError, ConsumerSpec, Delivery
-from bus.pull import PullInbox
-from bus.routing import WORK_QUEUES
+from rlbus.bus.claims import CLAIM_HEADER
+from rlbus.bus.connection import Connection
+from rlbus.bus.deadletter import dead_letter_id
+from rlbus.bus.heartbeat import Heartbeat
+from rlbus.bus.outage import UNANSWERED
+from rlbus.bus.outcome import decoded
+from rlbus.bus.protocol import BusClosed, BusError, ConsumerSpec, Delivery
+from rlbus.bus.pull import PullInbox
+from rlbus.bus.routing import WORK_QUEUES
 
 ACK_SYNC_TIMEOUT_S = 5.0
 # A settle the server never got: it redelivers the message after ack_wait.
@@ -42,7 +42,7 @@ SETTLE_LOST = (*UNANSWERED, nats.errors.ConnectionClosedError, ConnectionError)
 
 
 class JetStreamSettle:
-    """``bus.outcome.Settle`` for one JetStream message: settles it at most once."""
+    """``rlbus.bus.outcome.Settle`` for one JetStream message: settles it at most once."""
 
     __slots__ = ("conn", "raw", "data", "stream", "work_queue", "claim", "settled")
 

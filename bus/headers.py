@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sized
 
-from bus.protocol import BusError, PayloadTooLarge
-from observability.tracing import TRACE_HEADER_BUDGET, inject
+from rlbus.bus.protocol import BusError, PayloadTooLarge
+from rlbus.observability.tracing import TRACE_HEADER_BUDGET, inject
 
 KiB = 1024
 # User headers plus trace context; the claim threshold leaves far more room than this.

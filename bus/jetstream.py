@@ -1,21 +1,21 @@
-"""``JetStreamBus``: the ``bus.protocol.Bus`` on a real NATS JetStream server.
+"""``JetStreamBus``: the ``rlbus.bus.protocol.Bus`` on a real NATS JetStream server.
 
-The bus is a thin front over one ``bus.connection.Connection`` (nats client, streams, object
+The bus is a thin front over one ``rlbus.bus.connection.Connection`` (nats client, streams, object
 store, claim check, publisher, dead letters, background tasks) and the parts built on it:
 
-- publishing: ``bus.publish`` (msg ids, retries with the same id until a deadline, pipelining,
-  claim check for large payloads — ``bus.claims``);
-- ``consume``: ``bus.consume.ConsumeLoop``; ``puller``: ``bus.puller.JetStreamPuller``; both
-  read a ``bus.durable.Durable`` and follow the outcome rules of ``bus.outcome``, with one
-  ``bus.heartbeat.Heartbeat`` per durable for what is held longer than ``ack_wait / 3``;
-- dead letters, including the max-deliveries advisory path: ``bus.connection``;
-- ``watch``: ``bus.watch.Watch``; ``last``, ``request``/``serve`` and ``streams`` are here.
+- publishing: ``rlbus.bus.publish`` (msg ids, retries with the same id until a deadline, pipelining,
+  claim check for large payloads — ``rlbus.bus.claims``);
+- ``consume``: ``rlbus.bus.consume.ConsumeLoop``; ``puller``: ``rlbus.bus.puller.JetStreamPuller``; both
+  read a ``rlbus.bus.durable.Durable`` and follow the outcome rules of ``rlbus.bus.outcome``, with one
+  ``rlbus.bus.heartbeat.Heartbeat`` per durable for what is held longer than ``ack_wait / 3``;
+- dead letters, including the max-deliveries advisory path: ``rlbus.bus.connection``;
+- ``watch``: ``rlbus.bus.watch.Watch``; ``last``, ``request``/``serve`` and ``streams`` are here.
 
 Options of ``connect`` (all keyword): ``claim_threshold``, ``publish_deadline`` (s a publish may
 take with the server reachable), ``publish_outage`` (s a publish waits out a disconnected server,
-``bus.publish``), ``attempt_timeout`` (s), ``error_backoff`` ((base, cap) s of a failed handler's
+``rlbus.bus.publish``), ``attempt_timeout`` (s), ``error_backoff`` ((base, cap) s of a failed handler's
 redelivery), ``shutdown_grace`` (s a running handler gets when its consume is cancelled),
-``serve_concurrency``, ``retention`` (a ``bus.retention.Retention``: the streams' limits, applied
+``serve_concurrency``, ``retention`` (a ``rlbus.bus.retention.Retention``: the streams' limits, applied
 in place; None keeps existing limits; its ``replicas`` the copies in a cluster), plus ``ensure``
 (declare the run's streams) and ``connect_timeout`` (s to reach a server, and then to declare the
 streams on one that cannot answer yet: a cluster electing its leader or joining its nodes).
@@ -31,11 +31,11 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
-from bus.connection import Connection
-from bus.consume import ConsumeLoop
-from bus.objects import JetStreamObjectStore
-from bus.outage import api_errors
-from bus.protocol import (
+from rlbus.bus.connection import Connection
+from rlbus.bus.consume import ConsumeLoop
+from rlbus.bus.objects import JetStreamObjectStore
+from rlbus.bus.outage import api_errors
+from rlbus.bus.protocol import (
     BusClosed,
     BusError,
     ClaimsCollected,
@@ -46,11 +46,11 @@ from bus.protocol import (
     RequestFailed,
     StreamState,
 )
-from bus.puller import JetStreamPuller
-from bus.routing import stream_kind_of
-from bus.subjects import STREAM_KINDS, Subjects
-from bus.watch import Watch
-from observability.tracing import inject, process_span, send_span
+from rlbus.bus.puller import JetStreamPuller
+from rlbus.bus.routing import stream_kind_of
+from rlbus.bus.subjects import STREAM_KINDS, Subjects
+from rlbus.bus.watch import Watch
+from rlbus.observability.tracing import inject, process_span, send_span
 
 T = TypeVar("T")
 

@@ -3,15 +3,15 @@
 It keeps the promises that ``tests/integration/test_bus_contract.py`` checks against both this
 bus and a real JetStream server.  What it models:
 
-- publishing: the same header checks as the real bus (``bus.headers``: msg id required, no
+- publishing: the same header checks as the real bus (``rlbus.bus.headers``: msg id required, no
   CR/LF, a header byte budget) and trace context in the headers; dedupe by msg id (forever, not
   within a time window); ``publish_many`` is a loop of ``publish``;
 - streams: work queues (TASKS, ROLLOUTS: a message leaves when acked, terminated or dead-lettered)
   and limits streams (kept; each durable keeps its own position, ``deliver_policy`` included);
   durables with overlapping filters on a work-queue stream are refused (``BusConfigError``),
   as is a changed filter of an existing durable, while a changed ``ack_wait``/``max_deliver``/
-  ``max_ack_pending`` updates it in place (as ``bus.streams.ensure_consumer`` does);
-- consuming, with the real bus's decode step and outcome rules (``bus.outcome``): return ->
+  ``max_ack_pending`` updates it in place (as ``rlbus.bus.streams.ensure_consumer`` does);
+- consuming, with the real bus's decode step and outcome rules (``rlbus.bus.outcome``): return ->
   ack; ``Retry`` -> redelivered after its delay with ``deliveries`` + 1; ``Poison`` -> dead
   letter with the reason and the original bytes; a decode error -> dead letter with the
   decoder's error, handler never called; any other exception -> redelivered after
@@ -34,7 +34,7 @@ bus and a real JetStream server.  What it models:
 What it does not model: ``ack_wait`` (an unsettled delivery stays in flight until it is
 settled: no timed redelivery, so heartbeats are accepted and ignored), ``max_ack_pending``,
 ``max_payload`` and claim checks (any size is stored as is), server restarts and reconnects
-(and so publishes waiting out an outage), retention limits (``bus.retention``: message and byte
+(and so publishes waiting out an outage), retention limits (``rlbus.bus.retention``: message and byte
 caps with ``StreamFull`` at a discard-new limit, max age, last N per subject), a dead letter that
 cannot be written (DEAD here never refuses), the duplicate window's expiry, a
 request timeout that leaves the responder running (here the responder is cancelled), and
@@ -53,10 +53,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
-from bus.deadletter import build_dead_letter, dead_letter_id, never_acked
-from bus.headers import check_item_headers, publish_headers
-from bus.outcome import Outcomes, decoded
-from bus.protocol import (
+from rlbus.bus.deadletter import build_dead_letter, dead_letter_id, never_acked
+from rlbus.bus.headers import check_item_headers, publish_headers
+from rlbus.bus.outcome import Outcomes, decoded
+from rlbus.bus.protocol import (
     BusClosed,
     BusConfigError,
     BusError,
@@ -72,10 +72,10 @@ from bus.protocol import (
     StreamState,
     check_object_name,
 )
-from bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
-from bus.subjects import STREAM_KINDS, Subjects
-from observability.logging import get_logger
-from observability.tracing import send_span
+from rlbus.bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
+from rlbus.bus.subjects import STREAM_KINDS, Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.observability.tracing import send_span
 
 T = TypeVar("T")
 
@@ -108,7 +108,7 @@ class _Durable:
 
 
 class _MemSettle:
-    """``bus.outcome.Settle`` for one in-memory delivery: settles it at most once."""
+    """``rlbus.bus.outcome.Settle`` for one in-memory delivery: settles it at most once."""
 
     def __init__(self, bus: MemoryBus, durable: _Durable, stored: _Stored) -> None:
         self.bus, self.durable, self.stored = bus, durable, stored

@@ -10,7 +10,7 @@ every 0.25 s (about 66 MB/s here).  We publish 1 MiB chunks pipelined and read t
 ephemeral ack-none pull consumer keeping two byte-capped requests in flight, hashing on a worker
 thread while the next chunks arrive.  The digest is verified on every read: a mismatch raises
 ``DigestMismatch`` naming the object and both digests, never returns the bytes.  A name the store
-cannot address (``bus.protocol.check_object_name``) raises ``BadObjectName`` before any request: an empty one had no
+cannot address (``rlbus.bus.protocol.check_object_name``) raises ``BadObjectName`` before any request: an empty one had no
 responders, and one past the control-line limit made the server drop the connection for good.
 """
 
@@ -29,10 +29,17 @@ from typing import Any, TypeVar
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
-from bus.outage import through_outage
-from bus.protocol import BusError, DigestMismatch, ObjectInfo, ObjectNotFound, ServerUnavailable, check_object_name
-from bus.publish import limit_refusal
-from bus.pull import PullInbox
+from rlbus.bus.outage import through_outage
+from rlbus.bus.protocol import (
+    BusError,
+    DigestMismatch,
+    ObjectInfo,
+    ObjectNotFound,
+    ServerUnavailable,
+    check_object_name,
+)
+from rlbus.bus.publish import limit_refusal
+from rlbus.bus.pull import PullInbox
 
 T = TypeVar("T")
 
@@ -99,7 +106,7 @@ class _Hasher:
 
 
 class JetStreamObjectStore:
-    """``bus.protocol.ObjectStore`` over one bucket; created on first use."""
+    """``rlbus.bus.protocol.ObjectStore`` over one bucket; created on first use."""
 
     def __init__(self, nc: Any, js: Any, bucket: str, *, api_prefix: str = "$JS.API",
                  chunk_size: int = CHUNK_SIZE, window_bytes: int = WINDOW_BYTES, max_bytes: int | None = None,
@@ -205,7 +212,7 @@ class JetStreamObjectStore:
         if self.max_bytes is None or (have.max_bytes or -1) == want["max_bytes"]:
             want = {}
         if self.replicas is not None and (have.num_replicas or 1) != self.replicas:
-            want["num_replicas"] = self.replicas  # raised in place, like the streams (``bus.streams``)
+            want["num_replicas"] = self.replicas  # raised in place, like the streams (``rlbus.bus.streams``)
         if not want:
             return
         try:

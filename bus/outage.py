@@ -3,7 +3,7 @@ an outage: one place for the publisher's sibling operations (object store, strea
 
 ``api_errors`` turns nats-py's own errors for an unanswered JetStream API request into
 ``ServerUnavailable`` (a ``BusError`` services handle); ``through_outage`` repeats an idempotent
-operation while the server is away, bounded like a publish (``bus.publish``): by time with the
+operation while the server is away, bounded like a publish (``rlbus.bus.publish``): by time with the
 server reachable (``deadline``) and by time disconnected (``outage``).
 """
 
@@ -18,7 +18,7 @@ from typing import TypeVar
 import nats.errors
 from nats.js.errors import ServiceUnavailableError
 
-from bus.protocol import BusClosed, ServerUnavailable
+from rlbus.bus.protocol import BusClosed, ServerUnavailable
 
 T = TypeVar("T")
 RECONNECT_POLL_S = 0.25

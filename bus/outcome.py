@@ -30,9 +30,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
-from bus.deadletter import decode_failure_reason
-from bus.protocol import Delivery, Handler, Poison, Retry
-from observability.tracing import process_span
+from rlbus.bus.deadletter import decode_failure_reason
+from rlbus.bus.protocol import Delivery, Handler, Poison, Retry
+from rlbus.observability.tracing import process_span
 
 T = TypeVar("T")
 

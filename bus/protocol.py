@@ -2,10 +2,10 @@
 
 Services never see a NATS object: they publish bytes with a message id, pull decoded messages
 with explicit outcomes, answer requests, and read the object store.  Two implementations
-exist: ``bus.jetstream.JetStreamBus`` (real server) and ``bus.memory.MemoryBus`` (in process,
+exist: ``rlbus.bus.jetstream.JetStreamBus`` (real server) and ``rlbus.bus.memory.MemoryBus`` (in process,
 for tests; its docstring lists what it does not model, e.g. ack_wait redelivery).  One contract
 suite, ``tests/integration/test_bus_contract.py``, runs against both; both apply the outcome
-rules below through the same code (``bus.outcome``).
+rules below through the same code (``rlbus.bus.outcome``).
 
 Ack outcomes are explicit (see ``Retry`` and ``Poison``): a handler that returns normally
 acks, ``Retry(delay)`` naks with a delay, ``Poison(reason)`` terminates the message and
@@ -184,7 +184,7 @@ class StreamState:
 
 
 class Bus(Protocol):
-    """What a service may do with the bus.  Every name comes from ``bus.subjects``."""
+    """What a service may do with the bus.  Every name comes from ``rlbus.bus.subjects``."""
 
     async def publish(
         self, subject: str, data: bytes, *, msg_id: str, headers: dict[str, str] | None = None
@@ -198,7 +198,7 @@ class Bus(Protocol):
     ) -> None:
         """Pipelined durable publish of ``(subject, data, msg_id)`` items; all acked on return.
         ``item_headers`` (one dict per item, over ``headers``) gives each item its own headers,
-        e.g. the trace context of its own task (``observability.tracing.task_traces``)."""
+        e.g. the trace context of its own task (``rlbus.observability.tracing.task_traces``)."""
         ...
 
     async def request(self, subject: str, data: bytes, *, timeout: float) -> bytes:
@@ -250,7 +250,7 @@ class Bus(Protocol):
     async def streams(self) -> list[StreamState]: ...
 
     async def collect_claims(self, *, margin: float | None = None) -> ClaimsCollected:
-        """Delete the claim-checked payloads no message still held can reference (``bus.claims``).
+        """Delete the claim-checked payloads no message still held can reference (``rlbus.bus.claims``).
         ``margin`` (s): how long after its claim a message may still be stored; None: this bus's
         publish deadline plus outage budget plus clock slack."""
         ...
@@ -303,7 +303,7 @@ MAX_OBJECT_NAME_BYTES = 1024
 
 def check_object_name(name: object) -> str:
     """``name`` if an object store can address it; else ``BadObjectName``.  Both stores check it
-    before anything else (``bus.objects`` before any request), so they refuse the same names."""
+    before anything else (``rlbus.bus.objects`` before any request), so they refuse the same names."""
     if not isinstance(name, str):
         raise BadObjectName(repr(name), f"is a {type(name).__name__}, not a string")
     if not name:

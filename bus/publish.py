@@ -1,14 +1,14 @@
 """Durable publishing to JetStream: msg ids, claim check, retries with a deadline, pipelining.
 
 Every message carries ``Nats-Msg-Id`` (the stream's duplicate window stores a retried publish
-once) and the W3C trace context of a ``send`` span (``bus.headers``).  A publish is retried
+once) and the W3C trace context of a ``send`` span (``rlbus.bus.headers``).  A publish is retried
 with backoff and the *same* msg id on the errors a restarting server or a stream-leader
 election produce (no responders, timeouts, 503).  Two clocks bound the retries (``PublishClock``):
 
 - ``deadline``: time with the server *reachable* that a publish may take.  Past it the server is
   up but not storing the message (no stream captures the subject, a stream at a limit, a stuck
   leader election): ``PublishTimeout`` — or ``StreamFull`` when the stream refused it for being
-  at a retention limit (``bus.retention``), naming the stream, the limit and the key to raise.
+  at a retention limit (``rlbus.bus.retention``), naming the stream, the limit and the key to raise.
 - ``outage``: time with the client *disconnected* (server down, network gone).  Nothing is sent
   meanwhile (retries would only pile up in the client's buffer); the publish waits for the
   reconnect and then goes on under its ``deadline``.  The default is long (minutes) so a server
@@ -31,10 +31,10 @@ from typing import Any
 import nats.errors
 from nats.js.errors import APIError, NoStreamResponseError, ServiceUnavailableError
 
-from bus.claims import ClaimCheck
-from bus.headers import MSG_ID, check_item_headers, header_bytes, publish_headers
-from bus.protocol import BusClosed, BusError, PayloadTooLarge, PublishTimeout, StreamFull
-from observability.tracing import send_span
+from rlbus.bus.claims import ClaimCheck
+from rlbus.bus.headers import MSG_ID, check_item_headers, header_bytes, publish_headers
+from rlbus.bus.protocol import BusClosed, BusError, PayloadTooLarge, PublishTimeout, StreamFull
+from rlbus.observability.tracing import send_span
 
 MiB = 1024 * 1024
 PUBLISH_WINDOW_BYTES = 64 * MiB

@@ -5,7 +5,7 @@ checkpoint of the step that used it is durable, the generator holds tasks while 
 Every delivery the caller still holds gets ``in_progress`` heartbeats from the durable's
 ``Heartbeat`` until it is settled, so a long hold is not redelivered to another replica; a
 delivery the caller drops without settling is only weakly held, is forgotten, and comes back
-after ``ack_wait``.  Malformed messages are dead-lettered (``bus.outcome.decoded``), never
+after ``ack_wait``.  Malformed messages are dead-lettered (``rlbus.bus.outcome.decoded``), never
 returned; a message whose dead letter (or claim) cannot be handled now stays un-acked and comes
 back later: ``fetch`` never raises for one message's trouble, only for a closed bus.  A message
 that arrives while no fetch runs (the answer to a pull sent before a disconnect) goes back to
@@ -21,15 +21,15 @@ from typing import Generic, TypeVar
 
 from nats.aio.msg import Msg
 
-from bus.connection import Connection
-from bus.durable import Durable
-from bus.protocol import BusClosed, ConsumerSpec, Delivery
+from rlbus.bus.connection import Connection
+from rlbus.bus.durable import Durable
+from rlbus.bus.protocol import BusClosed, ConsumerSpec, Delivery
 
 T = TypeVar("T")
 
 
 class JetStreamPuller(Generic[T]):
-    """``bus.protocol.Puller`` on one durable of a connection."""
+    """``rlbus.bus.protocol.Puller`` on one durable of a connection."""
 
     def __init__(self, conn: Connection, spec: ConsumerSpec, decode: Callable[[bytes], T], *,
                  heartbeat: bool = True) -> None:

@@ -1,6 +1,6 @@
 """``Retention``: how much each stream of a run (and its object bucket) may hold, what happens
-at the limit, and on how many servers of a cluster each is kept (``replicas``).  Pure data, no nats import: the run config (``services.runtime.config``) builds it
-and ``bus.streams`` applies it.
+at the limit, and on how many servers of a cluster each is kept (``replicas``).  Pure data, no nats import: the run config (``rlbus.services.runtime.config``) builds it
+and ``rlbus.bus.streams`` applies it.
 
 Without limits a run's streams grow until the server's storage is full, and then *every* publish
 fails, dead letters included.  Each stream therefore gets limits, chosen so that reaching one
@@ -23,7 +23,7 @@ never loses data silently:
 | object bucket      | ``objects_max_bytes``                   | discard new: a put fails with ``StreamFull``;    |
 |                    |                                         | weight-broadcast deletes versions past its keep, |
 |                    |                                         | and claims no held message can reference any     |
-|                    |                                         | more (``bus.claims``)                            |
+|                    |                                         | more (``rlbus.bus.claims``)                            |
 | WEIGHTS, METRICS   | last N per subject / max age (fixed)    | discard old (superseded published manifests, old |
 |                    |                                         | heartbeats); nothing there awaits a consumer     |
 
@@ -31,7 +31,7 @@ A limit of 0 means "no limit" (the server's own storage bound applies).  Byte li
 default: the server *reserves* a stream's ``max_bytes`` of its storage when the stream is made
 (measured: a server on this machine refused the seventh 8 GiB stream), so default byte caps on
 every run would exhaust a shared server; message caps reserve nothing.  A stream that exists with
-other limits is updated in place (``bus.streams.ensure_stream``); limits are given to the bus only by
+other limits is updated in place (``rlbus.bus.streams.ensure_stream``); limits are given to the bus only by
 services that know the run config, so a tool connecting without them leaves existing limits alone.
 
 ``replicas`` (``[run] replicas``) is how many servers of a cluster keep each stream, each durable

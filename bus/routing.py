@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from bus.protocol import BusConfigError, StreamKind
+from rlbus.bus.protocol import BusConfigError, StreamKind
 
 _ORIGIN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -22,7 +22,7 @@ def stream_kind_of(subject: str) -> StreamKind:
     parts = subject.split(".")
     if len(parts) < 4 or parts[0] != "rl" or parts[2] not in _KIND_TOKENS:
         raise BusConfigError(
-            f"subject {subject!r} is not stored by any rlbus stream; build subjects with bus.subjects.Subjects"
+            f"subject {subject!r} is not stored by any rlbus stream; build subjects with rlbus.bus.subjects.Subjects"
         )
     return _KIND_TOKENS[parts[2]]
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
-from bus.protocol import BusError
+from rlbus.bus.protocol import BusError
 
 MiB = 1024 * 1024
 DEFAULT_MAX_PAYLOAD = 8 * MiB

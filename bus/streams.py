@@ -1,6 +1,6 @@
 """Stream and consumer declarations of one run, as code.
 
-| stream     | subjects                  | retention  | limits (``bus.retention``)    | notes                                  |
+| stream     | subjects                  | retention  | limits (``rlbus.bus.retention``)    | notes                                  |
 |------------|---------------------------|------------|-------------------------------|----------------------------------------|
 | TASKS      | ``rl.<run>.tasks.>``      | work queue | msgs + bytes, discard new     | one durable per pool, disjoint filters |
 | ROLLOUTS   | ``rl.<run>.rollouts.>``   | work queue | msgs + bytes, discard new     | generator -> reward                    |
@@ -53,10 +53,10 @@ from typing import Any
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError, ServiceUnavailableError
 
-from bus.protocol import BusConfigError, BusError, ConsumerSpec, ServerUnavailable
-from bus.retention import RETENTION_KEYS, Retention
-from bus.routing import WORK_QUEUES, origin_token, stream_kind_of  # noqa: F401 - re-exported
-from bus.subjects import STREAM_KINDS, Subjects
+from rlbus.bus.protocol import BusConfigError, BusError, ConsumerSpec, ServerUnavailable
+from rlbus.bus.retention import RETENTION_KEYS, Retention
+from rlbus.bus.routing import WORK_QUEUES, origin_token, stream_kind_of  # noqa: F401 - re-exported
+from rlbus.bus.subjects import STREAM_KINDS, Subjects
 
 DUPLICATE_WINDOW_S = 600.0
 METRICS_MAX_AGE_S = 600.0
@@ -82,7 +82,7 @@ def _unlimited(n: int) -> int:
 
 
 def _limits(kind: str, r: Retention) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """The retention limits of stream ``kind`` (see ``bus.retention``) and the fields they set."""
+    """The retention limits of stream ``kind`` (see ``rlbus.bus.retention``) and the fields they set."""
     new, old = api.DiscardPolicy.NEW, api.DiscardPolicy.OLD
     if kind in WORK_QUEUES:
         lim = dict(max_msgs=_unlimited(r.queue_max_msgs), max_bytes=_unlimited(r.queue_max_bytes), discard=new)
@@ -134,7 +134,7 @@ def declarations(subjects: Subjects, *, retention: Retention | None = None,
 
 
 def advisory_declaration(subjects: Subjects, *, retention: Retention | None = None) -> StreamDecl:
-    """The run's captured max-deliveries advisories (``bus.advisories``): a small work queue."""
+    """The run's captured max-deliveries advisories (``rlbus.bus.advisories``): a small work queue."""
     return StreamDecl("ADVISORIES", api.StreamConfig(
         name=subjects.advisory_stream, subjects=subjects.max_deliveries_advisories(),
         retention=api.RetentionPolicy.WORK_QUEUE, storage=api.StorageType.FILE, discard=api.DiscardPolicy.OLD,
@@ -143,7 +143,7 @@ def advisory_declaration(subjects: Subjects, *, retention: Retention | None = No
 
 
 # The one advisory durable every consuming connection shared before each durable got its own
-# (``bus.advisories``).  Unfiltered, it overlaps every per-durable one on the work queue, so it
+# (``rlbus.bus.advisories``).  Unfiltered, it overlaps every per-durable one on the work queue, so it
 # is removed when found; the advisories it had not acked stay in the stream for the new ones.
 LEGACY_ADVISORY_DURABLE = "rlbus_max_deliveries"
 ADVISORY_ACK_WAIT_S = 60.0
@@ -310,7 +310,7 @@ async def ensure_streams(js: Any, subjects: Subjects, *, retention: Retention | 
 # JetStream elects its meta leader and the nodes find each other.  Meanwhile the API answers
 # 503 (10008 "JetStream system temporarily unavailable", 10023 "insufficient resources" before
 # the peers have reported their storage), "no suitable peers for placement" (10005: fewer
-# servers joined than the replicas asked), or nothing at all (a timeout, which ``bus.outage``
+# servers joined than the replicas asked), or nothing at all (a timeout, which ``rlbus.bus.outage``
 # already retries).  Those are waited out; everything else is a configuration error at once.
 
 PLACEMENT_GRACE_S = 60.0  # nodes started together join within seconds; past this the cluster is too small

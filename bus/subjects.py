@@ -64,7 +64,7 @@ class Subjects:
 
     def weight_uploads(self, model: str) -> str:
         """Trainer -> weight-broadcast hand-off of a freshly written version: its own work-queue
-        stream (UPLOADS, see ``bus.streams``), outside WEIGHTS, so no burst can push a real version
+        stream (UPLOADS, see ``rlbus.bus.streams``), outside WEIGHTS, so no burst can push a real version
         out before weight-broadcast has read it."""
         return f"{self.root}.uploads.{_token('model', model)}"
 
@@ -126,7 +126,7 @@ class Subjects:
 
     @property
     def advisory_stream(self) -> str:
-        """The run's stream of captured max-deliveries advisories (``bus.advisories``)."""
+        """The run's stream of captured max-deliveries advisories (``rlbus.bus.advisories``)."""
         return f"RL_{self.run}_ADVISORIES".replace("-", "_")
 
     def max_deliveries_advisories(self) -> list[str]:

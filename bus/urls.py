@@ -6,7 +6,7 @@ whichever is up.  Parsed here, without a connection, so a config is refused at s
 member that is wrong.
 
 A URL may carry ``user:password@``; ``redact_url`` strips that before a URL is logged or put in an
-error (prefer ``[run] nats_password_file`` or ``RLBUS_NATS_PASSWORD``: see ``bus.credentials``).
+error (prefer ``[run] nats_password_file`` or ``RLBUS_NATS_PASSWORD``: see ``rlbus.bus.credentials``).
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from bus.connection import Connection
-from bus.protocol import BusError, Delivery
-from bus.routing import stream_kind_of
+from rlbus.bus.connection import Connection
+from rlbus.bus.protocol import BusError, Delivery
+from rlbus.bus.routing import stream_kind_of
 
 
 class _NoSettle:

@@ -37,8 +37,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-from schemas import Heartbeat
-from schemas.metric_keys import OUTCOMES, STALE_HELD
+from rlbus.schemas import Heartbeat
+from rlbus.schemas.metric_keys import OUTCOMES, STALE_HELD
 
 PREFIX = "rlbus_"
 BASE_LABELS = ("service", "instance", "run")

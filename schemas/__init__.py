@@ -1,7 +1,7 @@
 """Every wire message of rlbus.  Nothing else defines a wire format."""
 
-from schemas.base import ArraySpec, Message, SchemaError
-from schemas.control import (
+from rlbus.schemas.base import ArraySpec, Message, SchemaError
+from rlbus.schemas.control import (
     Admit,
     AssignPools,
     Concurrency,
@@ -16,10 +16,10 @@ from schemas.control import (
     SetMix,
     Stall,
 )
-from schemas.env import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep
-from schemas.rollout import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, spans_from_versions
-from schemas.task import EpisodeLimits, SamplingParams, Task
-from schemas.weights import Shard, TensorMeta, WeightManifest
+from rlbus.schemas.env import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep
+from rlbus.schemas.rollout import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, spans_from_versions
+from rlbus.schemas.task import EpisodeLimits, SamplingParams, Task
+from rlbus.schemas.weights import Shard, TensorMeta, WeightManifest
 
 ALL_MESSAGES: tuple[type[Message], ...] = (
     SamplingParams, EpisodeLimits, Task, Rollout, RolloutGroup, ScoredRollout, ScoredGroup, TensorMeta, Shard,

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from schemas.base import Message, invalid
+from rlbus.schemas.base import Message, invalid
 
 # A receiver refuses a Control whose seq (wall-clock microseconds) is further ahead of its own clock
 # than this: a day covers any clock skew between issuers worth tolerating; more is a broken clock or

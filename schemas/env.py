@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from schemas.base import ArraySpec, Message, array_field, invalid
-from schemas.task import Task
+from rlbus.schemas.base import ArraySpec, Message, array_field, invalid
+from rlbus.schemas.task import Task
 
 I32 = array_field(ArraySpec("<i4"))
 

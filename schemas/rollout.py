@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from schemas.base import ArraySpec, Message, array_field, invalid
-from schemas.task import SamplingParams, Task
+from rlbus.schemas.base import ArraySpec, Message, array_field, invalid
+from rlbus.schemas.task import SamplingParams, Task
 
 I32 = array_field(ArraySpec("<i4"))
 I64_SPANS = array_field(ArraySpec("<i8", ndim=2))
@@ -41,7 +41,7 @@ class Rollout(Message):
     loss_mask: U8 = field(default_factory=lambda: _empty("|u1"))
     behaviour_logprobs: F32 = field(default_factory=lambda: _empty("<f4"))
     version_spans: I64_SPANS = field(default_factory=lambda: _empty("<i8", 2))
-    finish_reason: str = "stop"  # one of schemas.env.EPISODE_ENDS
+    finish_reason: str = "stop"  # one of rlbus.schemas.env.EPISODE_ENDS
     text: str = ""  # decoded completion, for verifiers and humans
     generator_id: str = ""
     timings: dict[str, float] = field(default_factory=dict)

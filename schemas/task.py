@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas.base import ArraySpec, Message, array_field, invalid
+from rlbus.schemas.base import ArraySpec, Message, array_field, invalid
 
 I32 = array_field(ArraySpec("<i4"))
 
@@ -55,7 +55,7 @@ class SamplingParams(Message):
 @dataclass(frozen=True)
 class EpisodeLimits(Message):
     """Bounds of one episode (every sample of a task is its own episode).  Hitting one ends the
-    episode with that limit as its finish reason (``schemas.env.EPISODE_ENDS``); single-turn
+    episode with that limit as its finish reason (``rlbus.schemas.env.EPISODE_ENDS``); single-turn
     environments end after the first completion whatever these say."""
 
     KIND = "episode_limits"

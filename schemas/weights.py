@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from schemas.base import Message, invalid
+from rlbus.schemas.base import Message, invalid
 
 Transport = Literal["objstore", "file"]
 

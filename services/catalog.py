@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from services.policy.drafter_names import ONLINE_DRAFTERS
+from rlbus.services.policy.drafter_names import ONLINE_DRAFTERS
 
 
 def speculating(tables: Mapping[str, Any]) -> bool:
@@ -33,22 +33,22 @@ class ServiceEntry:
 
 
 SERVICES: dict[str, ServiceEntry] = {e.name: e for e in (
-    ServiceEntry("environment", "services.environment.service", "services.environment.settings:EnvironmentSettings",
-                 torch=False, replicas=False),
-    ServiceEntry("reward", "services.reward.service", "services.reward.settings:RewardSettings",
-                 torch=False, replicas=False),
-    ServiceEntry("broadcast", "services.broadcast.service", "services.broadcast.settings:BroadcastSettings",
-                 torch=False, replicas=False),
-    ServiceEntry("controller", "services.controller.service", "services.controller.settings:ControllerSettings",
-                 torch=False, replicas=False),
-    ServiceEntry("trainer", "services.trainer.service", "services.trainer.settings:TrainerSettings",
-                 torch=True, replicas=False),
+    ServiceEntry("environment", "rlbus.services.environment.service",
+                 "rlbus.services.environment.settings:EnvironmentSettings", torch=False, replicas=False),
+    ServiceEntry("reward", "rlbus.services.reward.service",
+                 "rlbus.services.reward.settings:RewardSettings", torch=False, replicas=False),
+    ServiceEntry("broadcast", "rlbus.services.broadcast.service",
+                 "rlbus.services.broadcast.settings:BroadcastSettings", torch=False, replicas=False),
+    ServiceEntry("controller", "rlbus.services.controller.service",
+                 "rlbus.services.controller.settings:ControllerSettings", torch=False, replicas=False),
+    ServiceEntry("trainer", "rlbus.services.trainer.service",
+                 "rlbus.services.trainer.settings:TrainerSettings", torch=True, replicas=False),
     # Runs only with [generator.speculative] drafter = "model" / "model+group" (`rlbus up` starts it then): it
     # distils the draft on SCORED and uploads its versions, which weight-broadcast announces.
-    ServiceEntry("speculator", "services.speculator.service", "services.speculator.settings:SpeculatorSettings",
-                 torch=True, replicas=False, only_if=speculating),
-    ServiceEntry("generator", "services.generator.service", "services.generator.settings:GeneratorSettings",
-                 torch=True, replicas=True),
+    ServiceEntry("speculator", "rlbus.services.speculator.service",
+                 "rlbus.services.speculator.settings:SpeculatorSettings", torch=True, replicas=False, only_if=speculating),
+    ServiceEntry("generator", "rlbus.services.generator.service",
+                 "rlbus.services.generator.settings:GeneratorSettings", torch=True, replicas=True),
 )}
 
 # The singletons every pipeline runs; ``singletons(tables)`` adds those a config asks for.

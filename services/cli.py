@@ -9,7 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from services.catalog import SERVICES
+from rlbus.services.catalog import SERVICES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run one service")
     # Not argparse choices: a named instance (generator-1, what systemd's rlbus@generator-1 passes)
-    # is checked by services.serve, whose error lists the services.
+    # is checked by rlbus.services.serve, whose error lists the services.
     serve.add_argument("service", metavar="SERVICE[-SUFFIX]",
                        help=f"which service to run ({', '.join(SERVICES)}); with a suffix, the instance name "
                             "(generator-1 runs a generator with instance generator-1)")
@@ -90,47 +90,47 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["control"]:  # its own parser (subcommands of its own)
-        from services.commands.control import main as control_main
+        from rlbus.services.commands.control import main as control_main
 
         return control_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.cmd == "serve":
-        from services.serve import serve
+        from rlbus.services.serve import serve
 
         return serve(args.service, args.config, args.nats_url)
     if args.cmd == "up":
-        from services.up.main import up
+        from rlbus.services.up.main import up
 
         return up(args.config, backend=args.backend, steps=args.steps, run_dir=args.run_dir, view=not args.no_view,
                   task=args.task)
     if args.cmd == "nats":
-        from services.commands.nats import run_nats
+        from rlbus.services.commands.nats import run_nats
 
         return run_nats(args.store, args.port)
     if args.cmd == "publish":
-        from services.commands.publish import publish
+        from rlbus.services.commands.publish import publish
 
         return publish(args.file, pool=args.pool, run=args.run, nats_url=args.nats_url, group_size=args.group_size,
                        skip_invalid=args.skip_invalid)
     if args.cmd == "streams":
-        from services.commands.streams import streams
+        from rlbus.services.commands.streams import streams
 
         return streams(args.run, args.nats_url, as_json=args.json)
     if args.cmd == "status":
-        from services.commands.status import status
+        from rlbus.services.commands.status import status
 
         return status(args.run, args.nats_url, as_json=args.json, seconds=args.seconds, watch=args.watch)
     if args.cmd == "auth":
-        from services.commands.auth import auth_init_cmd
+        from rlbus.services.commands.auth import auth_init_cmd
 
         return auth_init_cmd(args.out, args.config, run=args.run, force=args.force)
     if args.cmd == "init-model":
-        from services.commands.init_model import init_model_cmd
+        from rlbus.services.commands.init_model import init_model_cmd
 
         return init_model_cmd(args.out or f"models/tiny-{args.task}", seed=args.seed, target=args.target,
                               overwrite=args.overwrite, task=args.task)
     if args.cmd == "init-draft":
-        from services.commands.init_model import init_draft_cmd
+        from rlbus.services.commands.init_model import init_draft_cmd
 
         return init_draft_cmd(args.policy, args.out, layers=args.layers, overwrite=args.overwrite)
     return 2

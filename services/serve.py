@@ -17,9 +17,9 @@ import importlib
 import os
 import sys
 
-from bus.subjects import SubjectError, Subjects
-from services.catalog import SERVICES, ServiceEntry
-from services.runtime.config import ConfigError, RunSettings, Settings, load
+from rlbus.bus.subjects import SubjectError, Subjects
+from rlbus.services.catalog import SERVICES, ServiceEntry
+from rlbus.services.runtime.config import ConfigError, RunSettings, Settings, load
 
 
 def _settings_class(path: str) -> type[Settings]:
@@ -72,11 +72,11 @@ def set_thread_budget(threads: int) -> None:
 
 
 async def _main(entry: ServiceEntry, run_cfg: RunSettings, cfg: Settings, nats_url: str | None) -> None:
-    from bus.jetstream import JetStreamBus
-    from observability.logging import configure_logging
-    from observability.metrics import serve_metrics, stop_metrics
-    from observability.tracing import configure_tracing, shutdown_tracing
-    from services.runtime.lifecycle import Lifecycle
+    from rlbus.bus.jetstream import JetStreamBus
+    from rlbus.observability.logging import configure_logging
+    from rlbus.observability.metrics import serve_metrics, stop_metrics
+    from rlbus.observability.tracing import configure_tracing, shutdown_tracing
+    from rlbus.services.runtime.lifecycle import Lifecycle
 
     instance = getattr(cfg, "instance", "0")
     log = configure_logging(service=entry.name, run=run_cfg.run, instance=instance)
@@ -123,7 +123,7 @@ def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
         return 2
     if entry.torch:
         set_thread_budget(int(getattr(cfg, "threads", 1)))
-    from observability.metrics import MetricsError
+    from rlbus.observability.metrics import MetricsError
 
     try:
         asyncio.run(_main(entry, run_cfg, cfg, nats_url))
@@ -132,6 +132,6 @@ def serve(unit: str, config: str | None, nats_url: str | None = None) -> int:
         return 2
     # A rank of a torchrun job ends here without interpreter finalisation (leave_job says why);
     # looked up, not imported, so the other services never load torch.distributed.
-    if (distributed := sys.modules.get("services.trainer.distributed")) is not None:
+    if (distributed := sys.modules.get("rlbus.services.trainer.distributed")) is not None:
         distributed.leave_job(0)
     return 0

@@ -55,7 +55,7 @@ def tiny_model() -> Path:
         if not (out / "config.json").exists():
             import torch
 
-            from services.policy.model_init import init_model
+            from rlbus.services.policy.model_init import init_model
 
             torch.set_num_threads(1)
             init_model(out, seed=0, overwrite=True)
@@ -74,7 +74,7 @@ def calculator_model() -> Path:
         if not (out / "config.json").exists():
             import torch
 
-            from services.policy.calc_init import init_calculator_model
+            from rlbus.services.policy.calc_init import init_calculator_model
 
             torch.set_num_threads(1)
             init_calculator_model(out, seed=0, overwrite=True)
@@ -84,7 +84,7 @@ def calculator_model() -> Path:
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from bus.server import EmbeddedServer
+    from rlbus.bus.server import EmbeddedServer
 
     server = EmbeddedServer(tmp_path_factory.mktemp("nats"))
     server.start()
@@ -106,7 +106,7 @@ BUS_TEST_OPTIONS = dict(error_backoff=(0.1, 0.5), shutdown_grace=2.0, publish_de
 
 @pytest.fixture
 async def bus(nats_server: Any, run_name: str) -> AsyncIterator[Any]:
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     b = await JetStreamBus.connect(nats_server.url, run_name, name="test", **BUS_TEST_OPTIONS)
     try:
@@ -115,7 +115,28 @@ async def bus(nats_server: Any, run_name: str) -> AsyncIterator[Any]:
         await b.close()
 
 
+# A test is in a tier by what it needs (tests/tiers.py runs them in this order): one that builds the
+# warm-started model or starts a server is marked so here, by the fixtures it uses (directly or through
+# another fixture), so no test can land in the fast tier by forgetting a marker.
+NEEDS: dict[str, str] = {"tiny_model": "model", "calculator_model": "model", "chat_model_warm": "model",
+                         "nats_server": "integration"}
+# Folders whose tests all start processes or servers (the sandbox, systemd-analyze, whole runs).
+FOLDERS: dict[str, str] = {"integration": "integration", "e2e": "slow", "vllm": "vllm"}
+
+
+def _mark_by_needs(items: list[pytest.Item]) -> None:
+    for item in items:
+        needs = {NEEDS[f] for f in getattr(item, "fixturenames", ()) if f in NEEDS}
+        rel = Path(str(item.path)).resolve().relative_to(ROOT / "tests").parts
+        if len(rel) > 1 and rel[0] in FOLDERS:
+            needs.add(FOLDERS[rel[0]])
+        for marker in sorted(needs):
+            if item.get_closest_marker(marker) is None:
+                item.add_marker(marker)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _mark_by_needs(items)
     """An order that keeps both test workers busy (``make test`` runs ``pytest -n 2``, one test at
     a time per worker): first one end-to-end test, so one worker builds the tiny model (minutes on
     one thread) while the other runs every test that does not need it; then the tests that need the

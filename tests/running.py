@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
 
 
 @contextlib.asynccontextmanager

@@ -21,7 +21,7 @@ undecodable newest manifest resumes from the newest readable one.  Versions beyo
 ``keep_versions`` are deleted once no generator heartbeat reports using them and no recent
 held-out round (``keep_eval_versions``) is pinned to them.
 Every ``CLAIM_COLLECT_EVERY_S`` it also deletes the claim-checked payloads no message still held
-can reference (``bus.claims``: a SCORED group dropped by its retention, a release a crash missed),
+can reference (``rlbus.bus.claims``: a SCORED group dropped by its retention, a release a crash missed),
 counted on its heartbeat as ``broadcast/claims_collected``.
 """
 
@@ -36,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from bus.protocol import (
+from rlbus.bus.protocol import (
     BadObjectName,
     Bus,
     BusClosed,
@@ -47,15 +47,15 @@ from bus.protocol import (
     Poison,
     ServerUnavailable,
 )
-from bus.subjects import Subjects, draft_model_name
-from observability.logging import get_logger
-from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
-from schemas.metric_keys import DraftKeys
-from services.broadcast.settings import BroadcastSettings
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
+from rlbus.bus.subjects import Subjects, draft_model_name
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
+from rlbus.schemas.metric_keys import DraftKeys
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
 
 log = get_logger()
 

@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.runtime.config import Settings
+from rlbus.services.runtime.config import Settings
 
 
 class BroadcastSettings(Settings):

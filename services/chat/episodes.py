@@ -30,11 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from schemas import Rollout, RolloutGroup, SamplingParams, Task
-from schemas.rollout import spans_from_versions
-from schemas.task import subject_token_problem
-from services.chat.errors import ChatError, Conflict, NotFound
-from services.chat.stitch import Conversation, EpisodeTokens
+from rlbus.schemas import Rollout, RolloutGroup, SamplingParams, Task
+from rlbus.schemas.rollout import spans_from_versions
+from rlbus.schemas.task import subject_token_problem
+from rlbus.services.chat.errors import ChatError, Conflict, NotFound
+from rlbus.services.chat.stitch import Conversation, EpisodeTokens
 
 
 @dataclass(frozen=True)

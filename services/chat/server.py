@@ -28,17 +28,17 @@ from typing import Any
 
 from aiohttp import web
 
-from bus.protocol import Bus, BusError
-from bus.subjects import Subjects
-from observability.logging import get_logger
-from schemas import RolloutGroup
-from schemas import SamplingParams as WireSampling
-from services.chat.episodes import ChatEpisode, EpisodeBook, TaskRef
-from services.chat.errors import ChatError, Conflict, NotFound, PolicyOutputError
-from services.chat.stitch import Conversation, check_fits
-from services.chat.stream import completion_chunks, streaming
-from services.chat.template import ChatTemplate, normalise, parse_tool_calls
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import Bus, BusError
+from rlbus.bus.subjects import Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import RolloutGroup
+from rlbus.schemas import SamplingParams as WireSampling
+from rlbus.services.chat.episodes import ChatEpisode, EpisodeBook, TaskRef
+from rlbus.services.chat.errors import ChatError, Conflict, NotFound, PolicyOutputError
+from rlbus.services.chat.stitch import Conversation, check_fits
+from rlbus.services.chat.stream import completion_chunks, streaming
+from rlbus.services.chat.template import ChatTemplate, normalise, parse_tool_calls
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 log = get_logger()
 

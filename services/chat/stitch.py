@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from services.chat.errors import ChatError, StitchError
-from services.chat.template import ChatTemplate
+from rlbus.services.chat.errors import ChatError, StitchError
+from rlbus.services.chat.template import ChatTemplate
 
 
 @dataclass

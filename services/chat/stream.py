@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from services.chat.errors import ChatError
+from rlbus.services.chat.errors import ChatError
 
 
 def streaming(body: dict[str, Any]) -> dict[str, bool]:

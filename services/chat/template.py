@@ -13,7 +13,7 @@ import json
 import re
 from typing import Any
 
-from services.chat.errors import ChatError, PolicyOutputError
+from rlbus.services.chat.errors import ChatError, PolicyOutputError
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 ROLES = ("system", "user", "assistant", "tool")
@@ -98,7 +98,8 @@ class ChatTemplate:
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ChatError("the policy's tokenizer has no chat template: serve a model folder whose "
-                            "tokenizer_config.json carries one (rlbus builds one with services.policy.chat_model)",
+                            "tokenizer_config.json carries one (rlbus builds one with "
+                            "rlbus.services.policy.chat_model)",
                             code="no_chat_template")
         if tokenizer.eos_token is None:
             raise ChatError("the policy's tokenizer has no eos token: the endpoint cannot tell where a turn ends",

@@ -8,10 +8,10 @@ Writes, into ``--out`` (mode 0700):
   ``<role>.env`` (``RLBUS_RUN__NATS_USER`` and ``RLBUS_NATS_PASSWORD``, for an env file), mode 0600.
   No password is ever printed.
 
-Roles: the services of the catalog (``services.catalog``) plus ``operator`` (``rlbus publish``, ``status``, ``streams``, ``control``
+Roles: the services of the catalog (``rlbus.services.catalog``) plus ``operator`` (``rlbus publish``, ``status``, ``streams``, ``control``
 and stream administration).  What each service may publish and subscribe follows its module's
-dataflow contract; the JetStream API subjects follow what the bus does for it (``bus.connection``,
-``bus.streams``, ``bus.objects``, ``bus.advisories``):
+dataflow contract; the JetStream API subjects follow what the bus does for it (``rlbus.bus.connection``,
+``rlbus.bus.streams``, ``rlbus.bus.objects``, ``rlbus.bus.advisories``):
 
 | role        | publishes                              | consumes (durable)         | watches / reads last   | bucket |
 |-------------|----------------------------------------|----------------------------|------------------------|--------|
@@ -31,7 +31,7 @@ Every service also publishes its own heartbeats (``metrics.<role>.*``) and dead 
 for each durable it consumes, that durable's own max-deliveries advisory durable on ADVISORIES
 (``Subjects.advisory_durable``), and none of another role's: an advisory names a message that only
 the durable's role may read.  Consumers may also delete the one advisory durable a run made
-before that split (``bus.streams.LEGACY_ADVISORY_DURABLE``), which the first declaration removes.
+before that split (``rlbus.bus.streams.LEGACY_ADVISORY_DURABLE``), which the first declaration removes.
 Each user receives replies only on its own inbox prefix ``_INBOX.<role>`` (the bus sets it from
 ``nats_user``), so no role can subscribe to another's pulled messages or API replies.
 
@@ -54,12 +54,12 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bus.credentials import inbox_prefix
-from bus.routing import WORK_QUEUES
-from bus.streams import LEGACY_ADVISORY_DURABLE
-from bus.subjects import ENV_OPS, STREAM_KINDS, Subjects, draft_model_name
-from services.catalog import SERVICES
-from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
+from rlbus.bus.credentials import inbox_prefix
+from rlbus.bus.routing import WORK_QUEUES
+from rlbus.bus.streams import LEGACY_ADVISORY_DURABLE
+from rlbus.bus.subjects import ENV_OPS, STREAM_KINDS, Subjects, draft_model_name
+from rlbus.services.catalog import SERVICES
+from rlbus.services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 
 OPERATOR = "operator"
 ROLES: tuple[str, ...] = (*SERVICES, OPERATOR)
@@ -161,7 +161,7 @@ class RunPermissions:
 
     def consume(self, g: Grant, kind: str, durables: list[str]) -> None:
         """Pull from ``durables`` of one stream: declare and read them, ack, nak and heartbeat their
-        messages; follow each one's max-deliveries advisories (``bus.advisories``), read the message
+        messages; follow each one's max-deliveries advisories (``rlbus.bus.advisories``), read the message
         an advisory names by sequence to dead-letter it, and delete it then from a work queue."""
         st = self.s.stream(kind)
         self.pull(g, st, durables)

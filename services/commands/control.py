@@ -11,7 +11,7 @@ that has first observed the last decision on every subject it is ordered against
 whatever clock skew there is between this machine and the controller's, it sorts after them.  The
 controller observes it in turn, so its own later decisions sort after this one.
 
-    python -m services.commands.control set-mix --run demo --nats-url nats://127.0.0.1:4222 a=0.2 b=0.8
+    python -m rlbus.services.commands.control set-mix --run demo --nats-url nats://127.0.0.1:4222 a=0.2 b=0.8
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
-    from bus.subjects import Subjects
-    from schemas import Control
+    from rlbus.bus.subjects import Subjects
+    from rlbus.schemas import Control
 
-ISSUER = "operator"  # schemas.control.OPERATOR: controllers leave an operator's pause or drain to the operator
+ISSUER = "operator"  # rlbus.schemas.control.OPERATOR: controllers leave an operator's pause or drain to the operator
 STATES = ("pause", "resume", "drain")
 
 
@@ -62,8 +62,8 @@ async def decide(bus: Any, service: str, instance: str, decision: Any, *, reason
                  now: float | None = None, issuer: str = ISSUER, also_after: Sequence[str] = ()) -> Control:
     """Publish one operator decision on its subject, with a seq after every competing one (and after
     the last decision of each ``also_after`` instance's competing subjects)."""
-    from schemas import Control, DecisionClock, SchemaError
-    from schemas.control import action_of
+    from rlbus.schemas import Control, DecisionClock, SchemaError
+    from rlbus.schemas.control import action_of
 
     clock = DecisionClock()
     subjects = [s for i in (instance, *also_after) for s in competing(bus.subjects, service, i, action_of(decision))]
@@ -85,7 +85,7 @@ async def decide(bus: Any, service: str, instance: str, decision: Any, *, reason
 async def send_mix(bus: Any, mix: dict[str, float], *, reason: str = "operator request", instance: str = "all",
                    now: float | None = None) -> Control:
     """Publish a ``SetMix`` request for the controller (``instance`` or every controller)."""
-    from schemas import SetMix
+    from rlbus.schemas import SetMix
 
     return await decide(bus, "controller", instance, SetMix(mix=dict(mix)), reason=reason, now=now)
 
@@ -93,7 +93,7 @@ async def send_mix(bus: Any, mix: dict[str, float], *, reason: str = "operator r
 async def send_state(bus: Any, state: Literal["pause", "resume", "drain"], instance: str, *,
                      reason: str = "operator request", now: float | None = None) -> Control:
     """Publish a ``RunState`` (pause, resume or drain) to one generator (or ``all``)."""
-    from schemas import RunState
+    from rlbus.schemas import RunState
 
     return await decide(bus, "generator", instance, RunState(state=state), reason=reason, now=now)
 
@@ -106,7 +106,7 @@ async def new_run(bus: Any, instances: Sequence[str], *, issuer: str = "rlbus-up
     already holds a NATS store), those are the previous run's: a pause at its end, or an operator's,
     would hold the new run's generators before anything else happened.  One resume to all, sorted
     after them, says the new run starts running; decisions taken from now on sort after it."""
-    from schemas import RunState
+    from rlbus.schemas import RunState
 
     return await decide(bus, "generator", "all", RunState(state="resume"), issuer=issuer, also_after=instances,
                         reason="a new run starts: run states decided before it (pause, drain) do not carry over")
@@ -126,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     async def go() -> Control:
-        from bus.jetstream import JetStreamBus
+        from rlbus.bus.jetstream import JetStreamBus
 
         bus = await JetStreamBus.connect(args.nats_url, args.run, name="rlbus-control")
         try:

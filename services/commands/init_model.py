@@ -11,8 +11,8 @@ def init_model_cmd(out: str, *, seed: int, target: float, overwrite: bool = Fals
 
     import torch
 
-    from services.policy.calc_init import init_calculator_model
-    from services.policy.model_init import ModelInitError, init_model
+    from rlbus.services.policy.calc_init import init_calculator_model
+    from rlbus.services.policy.model_init import ModelInitError, init_model
 
     torch.set_num_threads(1)
     build = init_calculator_model if task == "calculator" else init_model
@@ -32,8 +32,8 @@ def init_draft_cmd(policy: str, out: str, *, layers: int, overwrite: bool = Fals
 
     import torch
 
-    from services.policy.draft_model import DraftModelError, build_draft, save_draft
-    from services.policy.load import load_policy
+    from rlbus.services.policy.draft_model import DraftModelError, build_draft, save_draft
+    from rlbus.services.policy.load import load_policy
 
     torch.set_num_threads(1)
     if (Path(out) / "config.json").exists() and not overwrite:

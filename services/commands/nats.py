@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def run_nats(store: str, port: int) -> int:
-    from bus.server import EmbeddedServer
+    from rlbus.bus.server import EmbeddedServer
 
     server = EmbeddedServer(store_dir=store, port=port)
     server.run_foreground()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from services.runtime.taskfile import read_task_file
+from rlbus.services.runtime.taskfile import read_task_file
 
 
 def publish(path: str, *, pool: str, run: str, nats_url: str, group_size: int | None, skip_invalid: bool) -> int:
@@ -24,9 +24,9 @@ def publish(path: str, *, pool: str, run: str, nats_url: str, group_size: int | 
         return 1
 
     async def go() -> None:
-        from bus.jetstream import JetStreamBus
-        from bus.subjects import Subjects
-        from observability.tracing import configure_tracing, shutdown_tracing, task_traces
+        from rlbus.bus.jetstream import JetStreamBus
+        from rlbus.bus.subjects import Subjects
+        from rlbus.observability.tracing import configure_tracing, shutdown_tracing, task_traces
 
         configure_tracing("publish", run=run)  # each task's trace starts here (exported if OTEL_* say so)
         subjects = Subjects(run)

@@ -19,8 +19,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from schemas.metric_keys import GeneratorKeys as G
-from schemas.metric_keys import TrainerKeys as T
+from rlbus.schemas.metric_keys import GeneratorKeys as G
+from rlbus.schemas.metric_keys import TrainerKeys as T
 
 GEN, TRAINER, CONTROLLER = "generator", "trainer", "controller"
 WORK_STREAMS = ("_TASKS", "_ROLLOUTS", "_SCORED")  # where the durable consumers (and queue depths) are
@@ -235,8 +235,8 @@ def _decision_line(d: dict[str, Any]) -> str:
 
 
 async def snapshot(bus: Any, run: str, seconds: float) -> dict[str, Any]:
-    from bus.subjects import Subjects
-    from schemas import Control, Heartbeat, SchemaError
+    from rlbus.bus.subjects import Subjects
+    from rlbus.schemas import Control, Heartbeat, SchemaError
 
     subjects = Subjects(run)
     seen: dict[str, Heartbeat] = {}
@@ -265,7 +265,7 @@ async def snapshot(bus: Any, run: str, seconds: float) -> dict[str, Any]:
 def status(run: str, nats_url: str, *, as_json: bool, seconds: float, watch: float = 0.0) -> int:
     """One snapshot (``--json``: as JSON); ``watch`` > 0 redraws the tables every ``watch`` seconds."""
     async def go() -> dict[str, Any]:
-        from bus.jetstream import JetStreamBus
+        from rlbus.bus.jetstream import JetStreamBus
 
         bus = await JetStreamBus.connect(nats_url, run, name="rlbus-status")
         try:

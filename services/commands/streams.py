@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 def streams(run: str, nats_url: str, *, as_json: bool) -> int:
     async def go() -> list:
-        from bus.jetstream import JetStreamBus
+        from rlbus.bus.jetstream import JetStreamBus
 
         bus = await JetStreamBus.connect(nats_url, run, name="rlbus-streams")
         try:

@@ -36,8 +36,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from schemas.metric_keys import OUTCOMES, STALE_HELD
-from services.controller.law import Speed
+from rlbus.schemas.metric_keys import OUTCOMES, STALE_HELD
+from rlbus.services.controller.law import Speed
 
 # ``STALE_HELD``: the part of ``stale`` that had passed the filter and went stale while held for a
 # batch (the trainer's requeue_stale moves it from ``train``): still kept, as far as the filter goes.

@@ -28,10 +28,10 @@ from typing import Annotated
 from pydantic import ConfigDict, Field, model_validator
 from pydantic.dataclasses import dataclass
 
-from observability.logging import get_logger
-from schemas import Heartbeat, ScoredGroup
-from schemas.control import Divergence
-from schemas.metric_keys import TrainerKeys
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import Heartbeat, ScoredGroup
+from rlbus.schemas.control import Divergence
+from rlbus.schemas.metric_keys import TrainerKeys
 
 log = get_logger()
 

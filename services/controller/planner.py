@@ -30,17 +30,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import Admit, AssignPools, Concurrency, Control, Decision, DecisionClock, Evaluate, RunState, SetMix
-from schemas.control import OPERATOR
-from services.controller.law import (
+from rlbus.schemas import Admit, AssignPools, Concurrency, Control, Decision, DecisionClock, Evaluate, RunState, SetMix
+from rlbus.schemas.control import OPERATOR
+from rlbus.services.controller.law import (
     AdmissionPlan,
     assign_routes,
     pause_decision,
     plan_balanced,
     plan_concurrency,
 )
-from services.controller.settings import ControllerSettings
-from services.controller.state import DRAINING, ControllerState
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.controller.state import DRAINING, ControllerState
 
 SHARE_STEP = 0.1  # a generator's pool shares are re-sent when one moves by more (rates are noisy)
 # The most metrics the controller's heartbeat carries: far under the schema's MAX_METRICS (a heartbeat

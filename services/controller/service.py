@@ -34,21 +34,21 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
-from bus.protocol import Bus, BusError, Delivery
-from bus.subjects import SubjectError, Subjects
-from observability.logging import get_logger
-from observability.tracing import task_traces
-from schemas import Admit, Control, Divergence, Heartbeat, SchemaError, ScoredGroup, SetMix, Stall, Task
-from services.controller.divergence import DivergenceMonitor, HeldOutRounds
-from services.controller.law import TrainerView, eval_due
-from services.controller.planner import MixError, Planner
-from services.controller.settings import ControllerSettings
-from services.controller.stall import StallWatch
-from services.controller.state import queue_state
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.taskfile import read_task_file
+from rlbus.bus.protocol import Bus, BusError, Delivery
+from rlbus.bus.subjects import SubjectError, Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.observability.tracing import task_traces
+from rlbus.schemas import Admit, Control, Divergence, Heartbeat, SchemaError, ScoredGroup, SetMix, Stall, Task
+from rlbus.services.controller.divergence import DivergenceMonitor, HeldOutRounds
+from rlbus.services.controller.law import TrainerView, eval_due
+from rlbus.services.controller.planner import MixError, Planner
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.controller.stall import StallWatch
+from rlbus.services.controller.state import queue_state
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.taskfile import read_task_file
 
 log = get_logger()
 

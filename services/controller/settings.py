@@ -2,8 +2,8 @@
 
 from pydantic import Field, field_validator
 
-from services.controller.divergence import DivergenceConfig
-from services.runtime.config import Settings
+from rlbus.services.controller.divergence import DivergenceConfig
+from rlbus.services.runtime.config import Settings
 
 
 class ControllerSettings(Settings):
@@ -21,7 +21,7 @@ class ControllerSettings(Settings):
         default_factory=dict,
         description="Target share of trained groups per pool, e.g. {a = 0.5, b = 0.5} ({} = equal over the run's "
                     "pools).  Changed at run time with a 'set_mix' Control to the controller "
-                    "(`python -m services.commands.control set-mix`), which wins over this value.")
+                    "(`python -m rlbus.services.commands.control set-mix`), which wins over this value.")
     route_period: float = Field(2.0, gt=0, description="Seconds between routing and concurrency decisions.")
     tau: float = Field(20.0, gt=0, description="Seconds over which measured rates, latencies and fractions are smoothed.")
     stall_after: float = Field(

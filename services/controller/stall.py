@@ -18,10 +18,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.control import Stall
-from services.controller.law import GeneratorView
-from services.controller.planner import Planner
-from services.controller.state import DRAINING
+from rlbus.schemas.control import Stall
+from rlbus.services.controller.law import GeneratorView
+from rlbus.services.controller.planner import Planner
+from rlbus.services.controller.state import DRAINING
 
 
 @dataclass

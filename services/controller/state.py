@@ -19,13 +19,13 @@ from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from bus.protocol import StreamState
-from bus.subjects import Subjects
-from observability.logging import get_logger
-from schemas import Heartbeat
-from schemas.metric_keys import OUTCOMES, GeneratorKeys, TrainerKeys
-from services.controller.balance import BalanceState
-from services.controller.law import GeneratorView, TrainerView
+from rlbus.bus.protocol import StreamState
+from rlbus.bus.subjects import Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import Heartbeat
+from rlbus.schemas.metric_keys import OUTCOMES, GeneratorKeys, TrainerKeys
+from rlbus.services.controller.balance import BalanceState
+from rlbus.services.controller.law import GeneratorView, TrainerView
 
 log = get_logger()
 

@@ -1,6 +1,6 @@
-"""Code environments, on the sandbox (``services.sandbox``): ``python`` and ``code-tests``.
+"""Code environments, on the sandbox (``rlbus.services.sandbox``): ``python`` and ``code-tests``.
 
-``python`` is episodic: each turn's fenced Python blocks (``services.tasks.code``) run as one
+``python`` is episodic: each turn's fenced Python blocks (``rlbus.services.tasks.code``) run as one
 program in a fresh sandbox run (nothing carries over between turns: no files, no variables), and
 the observation is its exit status, stdout and stderr, each stream cut to ``observation_chars``
 characters.  A turn without a block is the final answer.  A run's wall clock is the smaller of the
@@ -10,7 +10,7 @@ exception, an infinite loop, a memory bomb) is an observation, not a failure: th
 and may fix its code.  A malformed block is a policy failure; a sandbox that cannot run at all is
 an environment failure.
 
-``code-tests`` is single-turn: the completion's program (``services.tasks.code.submission``) is
+``code-tests`` is single-turn: the completion's program (``rlbus.services.tasks.code.submission``) is
 scored by the reward service's ``code-tests`` verifier against hidden tests carried in
 ``Task.answer``, which no environment sees.  The episodic variant is a task with
 ``env = "python"`` and ``verifier = "code-tests"``: the policy tries code with the tool, and the
@@ -26,11 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from schemas import Task
-from services.environment.envs import PolicyError, PromptEnv, SingleTurnEnv, Turn
-from services.runtime.tokens import TextCodec
-from services.sandbox import Execution, Sandbox
-from services.tasks.code import CodeFormatError, code_blocks
+from rlbus.schemas import Task
+from rlbus.services.environment.envs import PolicyError, PromptEnv, SingleTurnEnv, Turn
+from rlbus.services.runtime.tokens import TextCodec
+from rlbus.services.sandbox import Execution, Sandbox
+from rlbus.services.tasks.code import CodeFormatError, code_blocks
 
 OBSERVATION_CHARS = 2000
 # The smallest wall clock a run gets when the tool budget is nearly spent (a run needs some time to start).

@@ -21,9 +21,9 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from schemas import EnvReply, Task
-from services.runtime.registry import Registry
-from services.runtime.tokens import TextCodec
+from rlbus.schemas import EnvReply, Task
+from rlbus.services.runtime.registry import Registry
+from rlbus.services.runtime.tokens import TextCodec
 
 
 class EnvError(RuntimeError):
@@ -41,7 +41,7 @@ class Turn:
 
     observation: str = ""  # text appended after the turn (encoded by the service, no BOS)
     done: bool = False
-    finish_reason: str = ""  # with done: one of schemas.env.EPISODE_ENDS
+    finish_reason: str = ""  # with done: one of rlbus.schemas.env.EPISODE_ENDS
     tool_s: float = 0.0  # seconds the tools spent on this turn (summed against Task.limits.max_tool_s)
 
 
@@ -64,7 +64,8 @@ class EpisodicEnvironment(Protocol):
 
 
 ENVIRONMENTS: Registry[Environment | EpisodicEnvironment] = Registry("environment", lazy={
-    "python": "services.environment.code:PythonEnv", "code-tests": "services.environment.code:CodeTestsEnv"})
+    "python": "rlbus.services.environment.code:PythonEnv",
+    "code-tests": "rlbus.services.environment.code:CodeTestsEnv"})
 
 
 def _ids(x: list[int]) -> np.ndarray:
@@ -134,12 +135,12 @@ class CalculatorEpisode:
 @ENVIRONMENTS.register("calculator")
 class CalculatorEnv(PromptEnv):
     """The sum of four 3-digit numbers with an arithmetic tool; the format is
-    ``services.tasks.calculator``'s (``calc(EXPR)`` answered by ``=VALUE ``)."""
+    ``rlbus.services.tasks.calculator``'s (``calc(EXPR)`` answered by ``=VALUE ``)."""
 
     episodic: ClassVar[bool] = True
 
     def render(self, task: Task) -> str:
-        from services.tasks.calculator import TERMS, render_prompt
+        from rlbus.services.tasks.calculator import TERMS, render_prompt
 
         if task.prompt:
             return task.prompt
@@ -153,7 +154,7 @@ class CalculatorEnv(PromptEnv):
         return CalculatorEpisode(task)
 
     async def step(self, state: CalculatorEpisode, action_text: str, budget_s: float) -> Turn:
-        from services.tasks.calculator import CalcError, evaluate, find_call, observation
+        from rlbus.services.tasks.calculator import CalcError, evaluate, find_call, observation
 
         t0 = time.perf_counter()
         try:

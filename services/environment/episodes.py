@@ -2,7 +2,7 @@
 
 An episodic environment's state (a tool's scratch state, the turns so far, the tool time spent)
 lives in the replica that served the episode's first step; the generator sends its later steps
-to that replica's own subject (``schemas.env``).  ``Episodes`` is that store: keyed by episode id,
+to that replica's own subject (``rlbus.schemas.env``).  ``Episodes`` is that store: keyed by episode id,
 bounded (``max_episodes``: past it a new episode is refused, not an old one dropped), and swept
 (an episode idle past ``ttl_s`` is expired and its resources closed; a later step of it is
 refused with an error that says it expired, so the generator ends that episode as an
@@ -22,10 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from observability.logging import get_logger
-from schemas import EnvReply, EnvStep, Task
-from services.environment.envs import EnvError, EpisodicEnvironment, PolicyError, Turn
-from services.runtime.tokens import TextCodec
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import EnvReply, EnvStep, Task
+from rlbus.services.environment.envs import EnvError, EpisodicEnvironment, PolicyError, Turn
+from rlbus.services.runtime.tokens import TextCodec
 
 log = get_logger()
 # Ids of expired episodes remembered, so that a late step is told "expired" rather than "unknown".

@@ -19,22 +19,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bus.protocol import Bus
-from bus.subjects import Subjects
-from observability import tracing
-from observability.logging import get_logger
-from schemas import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep, SchemaError
-from services.environment.envs import ENVIRONMENTS, EnvError, Environment, EpisodicEnvironment
-from services.environment.episodes import EpisodeHost, Episodes
-from services.environment.settings import EnvironmentSettings
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.registry import UnknownExtension
-from services.runtime.tokens import TextCodec
+from rlbus.bus.protocol import Bus
+from rlbus.bus.subjects import Subjects
+from rlbus.observability import tracing
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import EnvReply, EnvReplyBatch, EnvReset, EnvResetBatch, EnvStep, SchemaError
+from rlbus.services.environment.envs import ENVIRONMENTS, EnvError, Environment, EpisodicEnvironment
+from rlbus.services.environment.episodes import EpisodeHost, Episodes
+from rlbus.services.environment.settings import EnvironmentSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.registry import UnknownExtension
+from rlbus.services.runtime.tokens import TextCodec
 
 if TYPE_CHECKING:
-    from services.sandbox import Sandbox
+    from rlbus.services.sandbox import Sandbox
 
 log = get_logger()
 
@@ -63,7 +63,7 @@ class EnvironmentServer:
     def sandbox(self, env_name: str) -> Sandbox:
         """The one sandbox of this service (its uid pool and run dirs), made when an environment first needs it."""
         if self._sandbox is None:
-            from services.sandbox import Sandbox, SandboxError
+            from rlbus.services.sandbox import Sandbox, SandboxError
 
             try:
                 self._sandbox = Sandbox(self.cfg.sandbox)

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
-from services.runtime.registry import Registry
+from rlbus.services.runtime.registry import Registry
 
 T = TypeVar("T")
 
@@ -23,7 +23,7 @@ class Backend(Protocol):
     def version(self) -> int: ...
 
     def sample(self, prompts: list[list[int]], n: int, sampling: Any, stop_ids: list[int], seed: int) -> list[list[Any]]:
-        """Blocking; returns per prompt ``n`` ``services.policy.sampler.SampleOut``."""
+        """Blocking; returns per prompt ``n`` ``rlbus.services.policy.sampler.SampleOut``."""
         ...
 
     def stage(self, version: int, weights: bytes | memoryview) -> None:
@@ -149,5 +149,5 @@ def cut_at_stop(sample: Any, stops: Sequence[str], decode: Callable[[list[int]],
 
 
 # Lazy "module:attr" entries: choosing a backend imports it, so a torch-only install never imports vLLM.
-BACKENDS: Registry[Backend] = Registry("backend", lazy={"torch": "services.generator.torch_backend:TorchBackend",
-                                                        "vllm": "services.generator.vllm_backend:VllmBackend"})
+BACKENDS: Registry[Backend] = Registry("backend", lazy={"torch": "rlbus.services.generator.torch_backend:TorchBackend",
+                                                        "vllm": "rlbus.services.generator.vllm_backend:VllmBackend"})

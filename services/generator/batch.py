@@ -20,22 +20,22 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bus.protocol import Bus, BusError
-from bus.subjects import SubjectError, Subjects
-from observability import tracing
-from observability.logging import get_logger
-from schemas import EnvReplyBatch, EnvResetBatch, RolloutGroup, SchemaError, Task
-from services.generator.backend import Backend
-from services.generator.core import Generator, Pins
-from services.generator.episodes import EpisodeDriver
-from services.generator.intake import TASK_MAX_DELIVER, Held, TaskIntake
-from services.generator.publisher import Publisher
-from services.generator.settings import GeneratorSettings
-from services.generator.spans import LoggedSpans
-from services.generator.status import Status
-from services.generator.traces import BatchTraces
-from services.generator.weight_follower import WeightFollower
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import Bus, BusError
+from rlbus.bus.subjects import SubjectError, Subjects
+from rlbus.observability import tracing
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import EnvReplyBatch, EnvResetBatch, RolloutGroup, SchemaError, Task
+from rlbus.services.generator.backend import Backend
+from rlbus.services.generator.core import Generator, Pins
+from rlbus.services.generator.episodes import EpisodeDriver
+from rlbus.services.generator.intake import TASK_MAX_DELIVER, Held, TaskIntake
+from rlbus.services.generator.publisher import Publisher
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.spans import LoggedSpans
+from rlbus.services.generator.status import Status
+from rlbus.services.generator.traces import BatchTraces
+from rlbus.services.generator.weight_follower import WeightFollower
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 log = get_logger()
 

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.protocol import Bus, Delivery
-from bus.subjects import SubjectError, Subjects
-from observability.logging import get_logger
-from schemas import Admit, AssignPools, Concurrency, Control, Evaluate, RunState, SchemaError
-from services.generator.core import Generator
-from services.generator.status import Status
+from rlbus.bus.protocol import Bus, Delivery
+from rlbus.bus.subjects import SubjectError, Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import Admit, AssignPools, Concurrency, Control, Evaluate, RunState, SchemaError
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.status import Status
 
 log = get_logger()
 

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from observability.logging import get_logger
-from schemas import (
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import (
     Admit,
     AssignPools,
     Concurrency,
@@ -31,9 +31,9 @@ from schemas import (
     Task,
     spans_from_versions,
 )
-from schemas.metric_keys import GeneratorKeys
-from services.generator.backend import Backend, InputLimits, PinnedSampling, cut_at_stop, input_problem
-from services.generator.settings import GeneratorSettings
+from rlbus.schemas.metric_keys import GeneratorKeys
+from rlbus.services.generator.backend import Backend, InputLimits, PinnedSampling, cut_at_stop, input_problem
+from rlbus.services.generator.settings import GeneratorSettings
 
 log = get_logger()
 

@@ -42,22 +42,22 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from bus.protocol import Bus, BusError
-from bus.subjects import Subjects
-from observability import tracing
-from observability.logging import get_logger
-from schemas import EnvReply, EnvStep, Rollout, RolloutGroup, SchemaError, Task, spans_from_versions
-from services.generator.backend import cut_at_stop
-from services.generator.core import Generator
-from services.generator.intake import Held
-from services.generator.publisher import Publisher
-from services.generator.settings import GeneratorSettings
-from services.generator.spans import LoggedSpans
-from services.generator.status import Status
-from services.generator.traces import BatchTraces
-from services.policy.sampler import SampleOut
-from services.policy.sampling import SamplingParams as PolicySampling
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import Bus, BusError
+from rlbus.bus.subjects import Subjects
+from rlbus.observability import tracing
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import EnvReply, EnvStep, Rollout, RolloutGroup, SchemaError, Task, spans_from_versions
+from rlbus.services.generator.backend import cut_at_stop
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.intake import Held
+from rlbus.services.generator.publisher import Publisher
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.spans import LoggedSpans
+from rlbus.services.generator.status import Status
+from rlbus.services.generator.traces import BatchTraces
+from rlbus.services.policy.sampler import SampleOut
+from rlbus.services.policy.sampling import SamplingParams as PolicySampling
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 log = get_logger()
 

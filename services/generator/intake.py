@@ -10,12 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bus.protocol import Bus, ConsumerSpec, Delivery, Puller
-from bus.subjects import Subjects
-from schemas import Task
-from services.generator.core import Generator
-from services.generator.status import Status
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import Bus, ConsumerSpec, Delivery, Puller
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import Task
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.status import Status
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 # Seconds before the server hands an un-acked task to another replica.  Held tasks are heartbeated
 # (in_progress) by the bus's puller every third of it, so only a generator that died loses them,

@@ -10,13 +10,13 @@ import asyncio
 import contextlib
 from collections import Counter
 
-from bus.protocol import Bus, BusError
-from bus.subjects import Subjects
-from observability.logging import get_logger
-from schemas import RolloutGroup
-from services.generator.core import Generator
-from services.generator.intake import Held
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import Bus, BusError
+from rlbus.bus.subjects import Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import RolloutGroup
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.intake import Held
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 log = get_logger()
 

@@ -50,23 +50,23 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from bus.protocol import Bus
-from bus.subjects import Subjects, draft_model_name
-from observability.logging import get_logger
-from services.generator.backend import BACKENDS, Backend
-from services.generator.batch import BatchDriver, SlowdownFile
-from services.generator.control import ControlFollower
-from services.generator.core import Generator
-from services.generator.episodes import EpisodeDriver
-from services.generator.intake import TASK_ACK_WAIT, TaskIntake
-from services.generator.publisher import Publisher
-from services.generator.settings import GeneratorSettings
-from services.generator.status import Status
-from services.generator.weight_follower import WeightFollower, followed_draft
-from services.policy.drafter_names import ONLINE_DRAFTERS
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.bus.protocol import Bus
+from rlbus.bus.subjects import Subjects, draft_model_name
+from rlbus.observability.logging import get_logger
+from rlbus.services.generator.backend import BACKENDS, Backend
+from rlbus.services.generator.batch import BatchDriver, SlowdownFile
+from rlbus.services.generator.control import ControlFollower
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.episodes import EpisodeDriver
+from rlbus.services.generator.intake import TASK_ACK_WAIT, TaskIntake
+from rlbus.services.generator.publisher import Publisher
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.status import Status
+from rlbus.services.generator.weight_follower import WeightFollower, followed_draft
+from rlbus.services.policy.drafter_names import ONLINE_DRAFTERS
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
 
 __all__ = ["TASK_ACK_WAIT", "Generator", "SlowdownFile", "run"]
 
@@ -125,8 +125,8 @@ def chat_endpoint(bus: Bus, subjects: Subjects, gen: Generator, run_cfg: RunSett
                   train_pools: list[str]) -> Any:
     """The OpenAI-compatible endpoint (services/chat) on this generator's backend, sampling under its
     model lock like the batch sampler and the episode engine."""
-    from services.chat.server import ChatEndpoint
-    from services.policy.load import load_tokenizer
+    from rlbus.services.chat.server import ChatEndpoint
+    from rlbus.services.policy.load import load_tokenizer
 
     tokenizer = load_tokenizer(run_cfg.model_path)
     return ChatEndpoint(bus, subjects, gen.backend, tokenizer, model_lock=gen.model_lock, model=cfg.openai.model or run_cfg.model_name,

@@ -5,8 +5,8 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.policy.drafter_names import MODEL_DRAFTERS, DrafterName
-from services.runtime.config import Settings
+from rlbus.services.policy.drafter_names import MODEL_DRAFTERS, DrafterName
+from rlbus.services.runtime.config import Settings
 
 
 class VllmOptions(Settings):
@@ -48,11 +48,11 @@ class SpeculativeOptions(Settings):
         if self.drafter in MODEL_DRAFTERS and not self.draft_model_path:
             raise ValueError(
                 f"drafter = {self.drafter!r} needs draft_model_path, the draft model's folder: build one with "
-                "services.policy.draft_model.build_draft and save_draft, or set drafter = \"group\" or \"off\"")
+                "rlbus.services.policy.draft_model.build_draft and save_draft, or set drafter = \"group\" or \"off\"")
         if self.drafter in MODEL_DRAFTERS and not (Path(self.draft_model_path) / "config.json").is_file():
             raise ValueError(
                 f"draft_model_path = {self.draft_model_path!r} is not a model folder (no config.json): point it at a "
-                "folder written by services.policy.draft_model.save_draft")
+                "folder written by rlbus.services.policy.draft_model.save_draft")
         return self
 
 

@@ -5,7 +5,7 @@ waited?).  Per-event lines would be one every few milliseconds; merged spans are
 
 from __future__ import annotations
 
-from observability.logging import get_logger
+from rlbus.observability.logging import get_logger
 
 log = get_logger()
 

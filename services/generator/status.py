@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.generator.core import Generator
-from services.runtime.heartbeat import Beat
+from rlbus.services.generator.core import Generator
+from rlbus.services.runtime.heartbeat import Beat
 
 
 class Status:

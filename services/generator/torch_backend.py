@@ -7,14 +7,14 @@ from typing import Any
 
 import torch
 
-from schemas.metric_keys import SpeculativeKeys
-from services.generator.backend import SampleMeter
-from services.policy.episodes import EpisodeEngine
-from services.policy.load import load_policy, load_state_from_safetensors
-from services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
-from services.policy.sampling import SamplingParams
-from services.policy.spec_tail import Speculation, SpeculationConfig
-from services.policy.weight_slot import WeightSlot
+from rlbus.schemas.metric_keys import SpeculativeKeys
+from rlbus.services.generator.backend import SampleMeter
+from rlbus.services.policy.episodes import EpisodeEngine
+from rlbus.services.policy.load import load_policy, load_state_from_safetensors
+from rlbus.services.policy.sampler import GroupSampler, MidSequenceSwap, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.spec_tail import Speculation, SpeculationConfig
+from rlbus.services.policy.weight_slot import WeightSlot
 
 
 def _params(sampling: Any, stop_ids: list[int], seed: int) -> tuple[SamplingParams, torch.Generator]:

@@ -16,9 +16,9 @@ from contextlib import contextmanager
 import numpy as np
 from opentelemetry.trace import INVALID_SPAN, Span
 
-from observability import tracing as t
-from schemas import RolloutGroup
-from services.generator.intake import Held
+from rlbus.observability import tracing as t
+from rlbus.schemas import RolloutGroup
+from rlbus.services.generator.intake import Held
 
 
 class BatchTraces:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from services.policy.episodes import EpisodeInputError, Turn
+from rlbus.services.policy.episodes import EpisodeInputError, Turn
 
 
 @dataclass

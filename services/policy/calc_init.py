@@ -15,7 +15,7 @@ there), so the policy never has to learn to stop after the call.
 
 Determinism: the same seed gives the same weights (torch.manual_seed, a fixed data order, one
 thread).  The architecture, optimiser and schedule are the addition warm start's
-(``services.policy.model_init``), imported from there so both models stay the same kind of model.
+(``rlbus.services.policy.model_init``), imported from there so both models stay the same kind of model.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from services.policy.model_info import MODEL_INFO_FILE
-from services.policy.model_init import (
+from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.policy.model_init import (
     ADAM_BETAS,
     BATCH_SIZE,
     WARMUP_STEPS,
@@ -41,10 +41,18 @@ from services.policy.model_init import (
     ModelInitError,
     tiny_config,
 )
-from services.policy.sampler import GroupSampler, StaticSlot
-from services.policy.sampling import SamplingParams
-from services.policy.tokenizer import build_char_tokenizer, encode_prompt
-from services.tasks.calculator import CalcError, CalculatorTask, evaluate, find_call, make_split, observation, score
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.tokenizer import build_char_tokenizer, encode_prompt
+from rlbus.services.tasks.calculator import (
+    CalcError,
+    CalculatorTask,
+    evaluate,
+    find_call,
+    make_split,
+    observation,
+    score,
+)
 
 TASK = "calculator"
 DEFAULT_TARGET = 0.30

@@ -35,9 +35,9 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from services.policy.errors import PolicyError
-from services.policy.model_info import MODEL_INFO_FILE
-from services.policy.model_init import TINY_CONFIG
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.policy.model_init import TINY_CONFIG
 
 PAD = "<|endoftext|>"
 IM_START = "<|im_start|>"

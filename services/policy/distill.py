@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from services.policy.errors import PolicyError
+from rlbus.services.policy.errors import PolicyError
 
 
 class DistillInputError(PolicyError):

@@ -21,8 +21,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from services.policy.errors import PolicyError
-from services.policy.load import load_policy
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.load import load_policy
 
 DraftInit = Literal["policy", "fresh"]
 
@@ -81,7 +81,7 @@ def check_draft(draft: PreTrainedModel, policy: PreTrainedModel, where: str = "t
         if ours != theirs:
             raise DraftModelError(
                 f"{where} has {what} {ours}, the policy {theirs}: a draft must share the policy's tokenizer and "
-                "context (build one with services.policy.draft_model.build_draft from this policy)")
+                "context (build one with rlbus.services.policy.draft_model.build_draft from this policy)")
 
 
 def load_draft(path: str | Path, policy: PreTrainedModel) -> PreTrainedModel:
@@ -90,7 +90,7 @@ def load_draft(path: str | Path, policy: PreTrainedModel) -> PreTrainedModel:
     if not (folder / "config.json").is_file():
         raise DraftModelError(
             f"draft_model_path {str(folder)!r} is not a model folder (no config.json): build one with "
-            "services.policy.draft_model.build_draft and save_draft, or set drafter = \"group\" / \"off\"")
+            "rlbus.services.policy.draft_model.build_draft and save_draft, or set drafter = \"group\" / \"off\"")
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(policy.dtype, "float32")
     draft, _ = load_policy(folder, dtype=dtype, device=str(next(policy.parameters()).device))  # type: ignore[arg-type]
     check_draft(draft, policy, where=f"the draft at {folder}")

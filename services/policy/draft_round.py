@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from services.policy.model_drafter import ModelDrafts
+from rlbus.services.policy.model_drafter import ModelDrafts
 
 Source = Literal["group", "model"]
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from services.policy.errors import PolicyError
+from rlbus.services.policy.errors import PolicyError
 
 _START = -1  # never a real token id: lets a fresh row copy the opening of a sibling
 

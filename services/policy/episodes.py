@@ -47,11 +47,11 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from services.policy.errors import PolicyError
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampler import FinishReason, ModelSlot, _draw, _stop_ids
-from services.policy.sampling import SamplingParams
-from services.policy.sequences import outside_vocab
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampler import FinishReason, ModelSlot, _draw, _stop_ids
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.sequences import outside_vocab
 
 LayerKV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each (1, heads, len, head_dim)
 

@@ -1,10 +1,10 @@
-"""Errors of `services.policy`: one root so callers can catch "the policy code refused"."""
+"""Errors of `rlbus.services.policy`: one root so callers can catch "the policy code refused"."""
 
 from __future__ import annotations
 
 
 class PolicyError(Exception):
-    """Root of every error raised on purpose by `services.policy`."""
+    """Root of every error raised on purpose by `rlbus.services.policy`."""
 
 
 class PolicyLoadError(PolicyError):

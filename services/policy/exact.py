@@ -41,10 +41,10 @@ from typing import TypeVar
 
 import torch
 
-from services.policy.errors import PolicyError
-from services.policy.exact_attention import EXACT_ATTN
-from services.policy.sampling import SamplingParams, processed_logprobs
-from services.policy.sequences import AttnName, PromptCompletion, attention, check_sequences
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.exact_attention import EXACT_ATTN
+from rlbus.services.policy.sampling import SamplingParams, processed_logprobs
+from rlbus.services.policy.sequences import AttnName, PromptCompletion, attention, check_sequences
 
 K = TypeVar("K", int, tuple[int, int])
 

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
-from services.policy.exact import MIN_ROWS, FixedShapes, PromptStates
-from services.policy.exact_attention import DECODE_EXACT_KEYS, key_width
+from rlbus.services.policy.exact import MIN_ROWS, FixedShapes, PromptStates
+from rlbus.services.policy.exact_attention import DECODE_EXACT_KEYS, key_width
 
 
 class DecodeGroup:

@@ -24,7 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from services.policy.errors import PolicyLoadError, WeightMismatchError
+from rlbus.services.policy.errors import PolicyLoadError, WeightMismatchError
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 AttnName = Literal["sdpa", "eager"]

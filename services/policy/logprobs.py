@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from services.policy.exact import deterministic_shapes, shared_prompt_logprobs
-from services.policy.sampling import SamplingParams, processed_logprobs
-from services.policy.sequences import LogprobInputError, PromptCompletion, check_sequences
+from rlbus.services.policy.exact import deterministic_shapes, shared_prompt_logprobs
+from rlbus.services.policy.sampling import SamplingParams, processed_logprobs
+from rlbus.services.policy.sequences import LogprobInputError, PromptCompletion, check_sequences
 
 # Importers take these from here, where they were first defined.
 __all__ = ["LogprobInputError", "PromptCompletion", "check_sequences", "completion_logprobs", "shared_prefix_logprobs"]

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import DynamicCache
 
-from services.policy.sampling import SamplingParams, processed_logprobs
+from rlbus.services.policy.sampling import SamplingParams, processed_logprobs
 
 if TYPE_CHECKING:
-    from services.policy.sampler import ModelSlot
+    from rlbus.services.policy.sampler import ModelSlot
 
 
 @dataclass

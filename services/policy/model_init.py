@@ -24,12 +24,12 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-from services.policy.errors import PolicyError
-from services.policy.model_info import MODEL_INFO_FILE
-from services.policy.sampler import GroupSampler, StaticSlot
-from services.policy.sampling import SamplingParams
-from services.policy.tokenizer import build_char_tokenizer, encode_prompt
-from services.tasks.addition import AdditionTask, make_split, score
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.tokenizer import build_char_tokenizer, encode_prompt
+from rlbus.services.tasks.addition import AdditionTask, make_split, score
 
 # The reference architecture of the design brief (about 1M parameters).
 TINY_CONFIG: dict[str, Any] = {
@@ -256,7 +256,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry (`rlbus init-model` or `python -m services.policy.model_init`)."""
+    """CLI entry (`rlbus init-model` or `python -m rlbus.services.policy.model_init`)."""
     args = build_arg_parser().parse_args(argv)
     try:
         init_model(

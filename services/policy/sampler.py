@@ -44,14 +44,14 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from services.policy.errors import PolicyError
-from services.policy.exact import deterministic_shapes
-from services.policy.exact_attention import EXACT_ATTN
-from services.policy.exact_decode import DecodeGroup
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampling import SamplingParams, processed_logprobs
-from services.policy.sequences import attention, outside_vocab
-from services.policy.spec_tail import Speculation, TailRows
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.exact import deterministic_shapes
+from rlbus.services.policy.exact_attention import EXACT_ATTN
+from rlbus.services.policy.exact_decode import DecodeGroup
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampling import SamplingParams, processed_logprobs
+from rlbus.services.policy.sequences import attention, outside_vocab
+from rlbus.services.policy.spec_tail import Speculation, TailRows
 
 FinishReason = Literal["stop", "length"]
 # "decoded": decoded in the trainer's layout, already its values; "recomputed": recomputed after.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.policy.errors import PolicyError
+from rlbus.services.policy.errors import PolicyError
 
 
 class SamplingParamsError(PolicyError):

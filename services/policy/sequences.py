@@ -13,8 +13,8 @@ from typing import Literal
 
 import torch
 
-from services.policy import exact_attention  # noqa: F401  (registers the "exact" kernel)
-from services.policy.errors import PolicyError
+from rlbus.services.policy import exact_attention  # noqa: F401  (registers the "exact" kernel)
+from rlbus.services.policy.errors import PolicyError
 
 # "exact": services/policy/exact_attention.py, registered with transformers when imported.
 AttnName = Literal["sdpa", "eager", "exact"]

@@ -48,9 +48,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from services.policy.draft_model import load_draft
-from services.policy.draft_round import RoundDrafts, Source
-from services.policy.drafter_names import (
+from rlbus.services.policy.draft_model import load_draft
+from rlbus.services.policy.draft_round import RoundDrafts, Source
+from rlbus.services.policy.drafter_names import (
     DRAFTERS,
     GROUP_DRAFTERS,
     MODEL_DRAFTERS,
@@ -58,15 +58,15 @@ from services.policy.drafter_names import (
     DrafterName,
     drafter_choices,
 )
-from services.policy.drafters import GroupDrafter, RecentCompletions
-from services.policy.errors import PolicyError
-from services.policy.model_drafter import ModelDrafter
-from services.policy.sampling import SamplingParams, processed_logprobs
-from services.policy.speculative import Verified, accept_drafts
-from services.policy.weight_slot import WeightSlot
+from rlbus.services.policy.drafters import GroupDrafter, RecentCompletions
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.model_drafter import ModelDrafter
+from rlbus.services.policy.sampling import SamplingParams, processed_logprobs
+from rlbus.services.policy.speculative import Verified, accept_drafts
+from rlbus.services.policy.weight_slot import WeightSlot
 
 if TYPE_CHECKING:  # the sampler imports this module
-    from services.policy.sampler import ModelSlot, _Completions
+    from rlbus.services.policy.sampler import ModelSlot, _Completions
 
 
 def drafter_sources(drafter: str) -> tuple[Source, ...]:
@@ -283,7 +283,7 @@ class Speculation:
         if config.drafter in MODEL_DRAFTERS and draft is None:
             raise SpeculationConfigError(
                 f"drafter={config.drafter!r} needs a draft model: set draft_model_path (build one with "
-                "services.policy.draft_model.build_draft) or use drafter = 'group'")
+                "rlbus.services.policy.draft_model.build_draft) or use drafter = 'group'")
         self.config = config
         self.recent = RecentCompletions(recent=recent)
         # `lengths`: a fixed rule instead of the adaptive one (measurements at a set k), one copy per source.
@@ -303,8 +303,8 @@ class Speculation:
         if not config.draft_model_path:
             raise SpeculationConfigError(
                 f"drafter={config.drafter!r} needs draft_model_path, the draft model's folder: build one with "
-                "services.policy.draft_model.build_draft / save_draft, or use drafter = 'group'")
-        from services.policy.sampler import StaticSlot  # the sampler imports this module
+                "rlbus.services.policy.draft_model.build_draft / save_draft, or use drafter = 'group'")
+        from rlbus.services.policy.sampler import StaticSlot  # the sampler imports this module
 
         draft = load_draft(config.draft_model_path, policy)
         online = config.drafter in ONLINE_DRAFTERS
@@ -550,7 +550,7 @@ class TailDecoder:
         """No source drafts at this row count (switched off, or too many rows): one token per row,
         vectorised as the plain loop decodes it.  A verify round without drafts draws from the same
         distribution but cost ~25% more per step in Python bookkeeping (8 rows of the tiny policy)."""
-        from services.policy.sampler import _draw  # the sampler imports this module
+        from rlbus.services.policy.sampler import _draw  # the sampler imports this module
 
         live, stats, out = self.live, self.stats, self.out
         t0 = time.perf_counter()

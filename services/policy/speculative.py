@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from services.policy.errors import PolicyError
+from rlbus.services.policy.errors import PolicyError
 
 
 class SpeculativeInputError(PolicyError):

@@ -4,7 +4,7 @@ Why it exists: no tokenizer can be downloaded here, and a character vocabulary m
 digit its own token, so the addition task's reward depends only on the model and never on
 how a BPE happened to merge "57". It is a real `tokenizers` tokenizer wrapped as a
 `PreTrainedTokenizerFast`, saved next to the model with `save_pretrained`, so the generator,
-the trainer and the vLLM backend load it with `services.policy.load.load_tokenizer(path)` (not
+the trainer and the vLLM backend load it with `rlbus.services.policy.load.load_tokenizer(path)` (not
 `AutoTokenizer` alone, which swaps in Qwen2's own class for this folder and drops spaces when
 encoding; vLLM's own detokenizer uses that class, which is harmless: ids reach vLLM as ids, and
 decoding maps each id to its character either way).

@@ -1,11 +1,11 @@
 """Weight hand-over: each new version's weights go to weight-broadcast, one version at a time.
 
 Shared by the two roles that make versions: the trainer (the policy) and the speculator (the
-draft model, under ``bus.subjects.draft_model_name``).  The weights are snapshotted when a step
+draft model, under ``rlbus.bus.subjects.draft_model_name``).  The weights are snapshotted when a step
 ends (the next step changes them), then written through the weight transport and announced on
 ``rl.<run>.uploads.<model>`` in the background, while the caller already works on its next step.
 One upload runs at a time, in version order, so weight-broadcast never sees version N + 1 before
-N.  Each version is recorded in the caller's book (``services.runtime.files.NumberBook``: the
+N.  Each version is recorded in the caller's book (``rlbus.services.runtime.files.NumberBook``: the
 trainer's ``VersionBook``, the speculator's ``DraftBook``) before its bytes are written, so a
 restarted role never reuses its number: a reused number would overwrite the bytes of the version
 it first named.
@@ -19,13 +19,13 @@ import time
 import torch
 from safetensors.torch import save as save_safetensors
 
-from bus.protocol import Bus
-from bus.subjects import Subjects
-from observability import tracing
-from schemas import TensorMeta, WeightManifest
-from schemas.weights import Transport
-from services.runtime.files import NumberBook
-from services.runtime.weights import WeightTransport
+from rlbus.bus.protocol import Bus
+from rlbus.bus.subjects import Subjects
+from rlbus.observability import tracing
+from rlbus.schemas import TensorMeta, WeightManifest
+from rlbus.schemas.weights import Transport
+from rlbus.services.runtime.files import NumberBook
+from rlbus.services.runtime.weights import WeightTransport
 
 
 def weights_bytes(model: torch.nn.Module) -> tuple[bytes, list[TensorMeta]]:

@@ -14,7 +14,7 @@ import time
 import torch
 from transformers import PreTrainedModel
 
-from services.policy.load import WeightSource, check_weights, copy_weights, read_weights
+from rlbus.services.policy.load import WeightSource, check_weights, copy_weights, read_weights
 
 
 class WeightSlot:

@@ -17,20 +17,20 @@ import inspect
 import time
 from typing import TYPE_CHECKING
 
-from bus.protocol import Bus, ConsumerSpec, Delivery, Poison
-from bus.subjects import Subjects, pool_of
-from observability import tracing
-from observability.logging import get_logger
-from schemas import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, Task
-from services.reward.settings import RewardSettings
-from services.reward.verifiers import VERIFIERS, Verifier, verifier_for
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.registry import UnknownExtension
+from rlbus.bus.protocol import Bus, ConsumerSpec, Delivery, Poison
+from rlbus.bus.subjects import Subjects, pool_of
+from rlbus.observability import tracing
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import Rollout, RolloutGroup, ScoredGroup, ScoredRollout, Task
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.reward.verifiers import VERIFIERS, Verifier, verifier_for
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.registry import UnknownExtension
 
 if TYPE_CHECKING:
-    from services.sandbox import Sandbox
+    from rlbus.services.sandbox import Sandbox
 
 log = get_logger()
 
@@ -57,7 +57,7 @@ class Scorer:
                 raise Poison(str(exc)) from None
             if getattr(factory, "sandboxed", False):
                 if self._sandbox is None:
-                    from services.sandbox import Sandbox
+                    from rlbus.services.sandbox import Sandbox
 
                     self._sandbox = Sandbox(self.cfg.sandbox)
                     log.info("sandbox_ready", isolation=self._sandbox.isolation.describe())

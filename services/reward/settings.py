@@ -2,8 +2,8 @@
 
 from pydantic import Field
 
-from services.runtime.config import Settings
-from services.sandbox.sandbox import SandboxSettings
+from rlbus.services.runtime.config import Settings
+from rlbus.services.sandbox.sandbox import SandboxSettings
 
 
 class RewardSettings(Settings):

@@ -14,8 +14,8 @@ from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from schemas import Rollout, Task
-from services.runtime.registry import Registry
+from rlbus.schemas import Rollout, Task
+from rlbus.services.runtime.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class AdditionVerifier:
     """Exact match of the completion with the task's answer (no partial credit)."""
 
     def __call__(self, task: Task, rollout: Rollout) -> Verdict:
-        from services.tasks.addition import score
+        from rlbus.services.tasks.addition import score
 
         if not task.answer:
             raise ValueError(f"addition task {task.task_id!r} carries no reference answer")
@@ -103,7 +103,7 @@ class CalculatorVerifier:
     however right the tool's value was."""
 
     def __call__(self, task: Task, rollout: Rollout) -> Verdict:
-        from services.tasks.calculator import final_answer, score
+        from rlbus.services.tasks.calculator import final_answer, score
 
         if not task.answer:
             raise ValueError(f"calculator task {task.task_id!r} carries no reference answer")
@@ -120,7 +120,7 @@ def hidden_tests(task: Task) -> list:
     """The hidden tests a code-tests task carries in ``answer``: a JSON list of HiddenTest fields."""
     import json
 
-    from services.sandbox.checker import HiddenTest
+    from rlbus.services.sandbox.checker import HiddenTest
 
     fields = set(HiddenTest.__dataclass_fields__)
     try:
@@ -142,19 +142,19 @@ def hidden_tests(task: Task) -> list:
 
 @VERIFIERS.register("code-tests")
 class CodeTestsVerifier:
-    """The submitted program (``services.tasks.code.submission``) against the task's hidden tests,
+    """The submitted program (``rlbus.services.tasks.code.submission``) against the task's hidden tests,
     run by ``HiddenTestChecker`` in the reward service's sandbox.  Reward: the fraction of tests
     passed; any tampering the checker detects scores 0 with its reason in the detail."""
 
     sandboxed = True  # the reward service passes its Sandbox
 
     def __init__(self, sandbox) -> None:  # type: ignore[no-untyped-def]
-        from services.sandbox.checker import HiddenTestChecker
+        from rlbus.services.sandbox.checker import HiddenTestChecker
 
         self.checker = HiddenTestChecker(sandbox)
 
     async def __call__(self, task: Task, rollout: Rollout) -> Verdict:
-        from services.tasks.code import submission
+        from rlbus.services.tasks.code import submission
 
         tests = hidden_tests(task)
         program = submission(rollout.text)

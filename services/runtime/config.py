@@ -41,7 +41,7 @@ class Settings(BaseModel):
             if any(w in key.lower() for w in _SECRET_WORDS) and out[key]:
                 out[key] = "***"
             elif isinstance(out[key], str) and "://" in out[key] and "@" in out[key]:
-                from bus.urls import redact_url
+                from rlbus.bus.urls import redact_url
 
                 out[key] = redact_url(out[key])  # a URL's user:password@
         return out
@@ -51,7 +51,7 @@ MiB = 1024 * 1024
 
 
 class RetentionSettings(Settings):
-    """``[run.retention]``: how much each stream of the run may hold (``bus.retention`` says what
+    """``[run.retention]``: how much each stream of the run may hold (``rlbus.bus.retention`` says what
     happens at each limit: work queues and DEAD refuse new messages with an error naming the
     stream and the key to raise; SCORED and CONTROL drop their oldest).  Changing a limit updates
     the live streams in place when a service next connects."""
@@ -146,7 +146,7 @@ class RunSettings(Settings):
     @field_validator("nats_url")
     @classmethod
     def _urls(cls, v: str) -> str:
-        from bus.urls import server_urls
+        from rlbus.bus.urls import server_urls
 
         server_urls(v)  # raises naming the member that is no NATS URL
         return v
@@ -154,7 +154,7 @@ class RunSettings(Settings):
     @field_validator("run", "model_name")
     @classmethod
     def _token(cls, v: str) -> str:
-        from bus.subjects import Subjects
+        from rlbus.bus.subjects import Subjects
 
         Subjects(v)  # raises with a clear message on dots/wildcards
         return v
@@ -165,7 +165,7 @@ class RunSettings(Settings):
 
     def bus_options(self) -> dict[str, Any]:
         """Keyword options of ``JetStreamBus.connect`` that come from the run config."""
-        from bus.retention import Retention
+        from rlbus.bus.retention import Retention
 
         r = self.retention
         retention = Retention(
@@ -178,8 +178,8 @@ class RunSettings(Settings):
         return {"retention": retention, "publish_outage": self.publish_outage_s, "credentials": self.credentials()}
 
     def credentials(self) -> Any:
-        """The login of this run's services (``bus.credentials.Credentials``); reads the password file."""
-        from bus.credentials import Credentials
+        """The login of this run's services (``rlbus.bus.credentials.Credentials``); reads the password file."""
+        from rlbus.bus.credentials import Credentials
 
         return Credentials.build(
             user=self.nats_user, password_file=self.nats_password_file, creds_file=self.nats_creds_file,

@@ -7,7 +7,7 @@ heartbeat must not be what stops a service during a server outage.  Each send is
 simply tries again next period, and the first beat after the server returns reports the current
 state.  Only a closed bus ends the loop.
 
-Each heartbeat built is also handed to the process's Prometheus endpoint (``observability.metrics``,
+Each heartbeat built is also handed to the process's Prometheus endpoint (``rlbus.observability.metrics``,
 when ``[run] metrics_port`` serves one) before it is published: a scrape shows the same values, and
 goes on showing them while the server is away.
 """
@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bus.protocol import Bus, BusClosed
-from bus.subjects import Subjects
-from observability import metrics as prometheus
-from observability.logging import get_logger
-from schemas import Heartbeat
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import Bus, BusClosed
+from rlbus.bus.subjects import Subjects
+from rlbus.observability import metrics as prometheus
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import Heartbeat
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 log = get_logger()
 

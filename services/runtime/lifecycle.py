@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from observability.logging import get_logger
+from rlbus.observability.logging import get_logger
 
 log = get_logger()
 

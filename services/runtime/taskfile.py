@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import SamplingParams, SchemaError, Task
+from rlbus.schemas import SamplingParams, SchemaError, Task
 
 _ALLOWED = {"task_id", "prompt", "prompt_ids", "env", "env_config", "answer", "verifier", "group_size",
             "sampling", "metadata"}

@@ -21,9 +21,9 @@ import os
 from pathlib import Path
 from typing import Protocol
 
-from bus.protocol import Bus
-from schemas import Shard
-from services.runtime.files import write_synced
+from rlbus.bus.protocol import Bus
+from rlbus.schemas import Shard
+from rlbus.services.runtime.files import write_synced
 
 
 class WeightIntegrityError(RuntimeError):

@@ -4,7 +4,7 @@
 ``checker`` scores a submitted module against hidden tests that never enter the sandbox.
 """
 
-from services.sandbox.sandbox import (
+from rlbus.services.sandbox.sandbox import (
     Execution,
     Isolation,
     Sandbox,

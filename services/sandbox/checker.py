@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.sandbox.sandbox import Execution, Sandbox, SandboxError, SandboxLimits
+from rlbus.services.sandbox.sandbox import Execution, Sandbox, SandboxError, SandboxLimits
 
 DRIVER_INSIDE = "/checker/driver.py"
 # No fork and no thread for the submission (bubblewrap's process and the interpreter fill the

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from services.runtime.config import Settings
+from rlbus.services.runtime.config import Settings
 
 MiB = 1024 * 1024
 # Where the sandboxed program finds its files (bwrap); without bwrap it runs in the host path.

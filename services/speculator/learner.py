@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas import ScoredGroup
-from schemas.metric_keys import SpeculatorKeys
-from services.policy.distill import DistillInputError, DraftDistiller, PolicySample
-from services.runtime.files import NumberBook
+from rlbus.schemas import ScoredGroup
+from rlbus.schemas.metric_keys import SpeculatorKeys
+from rlbus.services.policy.distill import DistillInputError, DraftDistiller, PolicySample
+from rlbus.services.runtime.files import NumberBook
 
 BOOK_FILE = "draft_versions.json"
 

@@ -16,7 +16,7 @@ reads:     rl.<run>.weights.<model>-draft (last) once at start: resumes from the
 waits for: ``batch_samples`` buffered rollouts per step
 unblocked by: the reward service publishing scored groups
 
-The draft's model name is ``bus.subjects.draft_model_name(model_name)``; weight-broadcast verifies
+The draft's model name is ``rlbus.bus.subjects.draft_model_name(model_name)``; weight-broadcast verifies
 and announces its versions like the policy's, and generators with drafter "model" stage them
 between target forwards.  Uploads go through the trainer's path (services/policy/upload.py), with
 their numbers in ``<run_dir>/speculator/draft_versions.json`` (learner.DraftBook).
@@ -36,20 +36,20 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from bus.protocol import Bus, BusError, ConsumerSpec, Delivery, Poison
-from bus.subjects import Subjects, draft_model_name
-from observability.logging import get_logger
-from schemas import SchemaError, ScoredGroup, WeightManifest
-from services.policy.distill import DistillInputError, DraftDistiller
-from services.policy.errors import PolicyError
-from services.policy.load import load_policy, load_state_from_safetensors
-from services.policy.upload import Uploader
-from services.runtime.config import ConfigError, RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.weights import WeightTransport, make_transport
-from services.speculator.learner import DraftBook, Learner
-from services.speculator.settings import SpeculatorSettings
+from rlbus.bus.protocol import Bus, BusError, ConsumerSpec, Delivery, Poison
+from rlbus.bus.subjects import Subjects, draft_model_name
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import SchemaError, ScoredGroup, WeightManifest
+from rlbus.services.policy.distill import DistillInputError, DraftDistiller
+from rlbus.services.policy.errors import PolicyError
+from rlbus.services.policy.load import load_policy, load_state_from_safetensors
+from rlbus.services.policy.upload import Uploader
+from rlbus.services.runtime.config import ConfigError, RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.weights import WeightTransport, make_transport
+from rlbus.services.speculator.learner import DraftBook, Learner
+from rlbus.services.speculator.settings import SpeculatorSettings
 
 log = get_logger()
 
@@ -90,7 +90,7 @@ class SpeculatorService:
             raise ConfigError(
                 "[speculator] draft_model_path is empty: set it to the draft folder the generators start from "
                 "([generator.speculative] draft_model_path; `rlbus up` copies it), built with "
-                "services.policy.draft_model.build_draft + save_draft")
+                "rlbus.services.policy.draft_model.build_draft + save_draft")
         draft, _ = await asyncio.to_thread(load_policy, cfg.draft_model_path)
         learner = Learner(DraftDistiller(draft, lr=cfg.lr), batch_samples=cfg.batch_samples,
                           buffer_samples=cfg.buffer_samples)

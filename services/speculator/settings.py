@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.runtime.config import Settings
+from rlbus.services.runtime.config import Settings
 
 
 class SpeculatorSettings(Settings):

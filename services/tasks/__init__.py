@@ -1,6 +1,6 @@
 """Synthetic verifiable tasks shared by the feeder, the environment, the reward and evaluation."""
 
-from services.tasks.addition import (
+from rlbus.services.tasks.addition import (
     AdditionTask,
     TaskError,
     make_split,

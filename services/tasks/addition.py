@@ -32,7 +32,7 @@ Split = Literal["train", "heldout"]
 
 
 class TaskError(ValueError):
-    """Root error of `services.tasks`: a request the task generator cannot satisfy."""
+    """Root error of `rlbus.services.tasks`: a request the task generator cannot satisfy."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ could not earn alone.  It is the episodic learning task, the way ``addition`` is
 
 The text format is fixed here, once, for the environment (which runs the tool) and the verifier
 (which finds the final answer); every character is in the tiny model's vocabulary
-(``services.policy.tokenizer.CHARACTERS``: no ``<``, ``/`` or newline there):
+(``rlbus.services.policy.tokenizer.CHARACTERS``: no ``<``, ``/`` or newline there):
 
 - a *tool turn* ends with one call ``calc(EXPR)`` (text before it is allowed, none after it);
   ``EXPR`` is integers, ``+ - * /``, parentheses and spaces (``/`` is exact: ``7/2`` stays ``7/2``);
@@ -250,6 +250,6 @@ def final_answer(completion_text: str) -> str:
 
 def score(task_answer: str, completion_text: str) -> float:
     """1.0 when the final answer (not a tool's output) is exactly ``task_answer``."""
-    from services.tasks.addition import parse_answer
+    from rlbus.services.tasks.addition import parse_answer
 
     return 1.0 if parse_answer(final_answer(completion_text)) == task_answer.strip() else 0.0

@@ -25,11 +25,11 @@ from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import ScoredGroup
-from schemas.metric_keys import STALE_HELD
-from schemas.task import subject_token_problem
-from services.trainer.judge import InputLimits, judge_group
-from services.trainer.versions import Lineage
+from rlbus.schemas import ScoredGroup
+from rlbus.schemas.metric_keys import STALE_HELD
+from rlbus.schemas.task import subject_token_problem
+from rlbus.services.trainer.judge import InputLimits, judge_group
+from rlbus.services.trainer.versions import Lineage
 
 
 @dataclass

@@ -36,10 +36,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from observability.logging import get_logger
-from services.runtime.files import fsync_dir, replace_file, write_synced
-from services.trainer.errors import TrainerError
-from services.trainer.ledger import CorruptLedger, Ledger, LedgerRef, LedgerStore
+from rlbus.observability.logging import get_logger
+from rlbus.services.runtime.files import fsync_dir, replace_file, write_synced
+from rlbus.services.trainer.errors import TrainerError
+from rlbus.services.trainer.ledger import CorruptLedger, Ledger, LedgerRef, LedgerStore
 
 log = get_logger()
 

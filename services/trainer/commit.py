@@ -39,11 +39,11 @@ from pathlib import Path
 
 import torch
 
-from observability.logging import get_logger
-from services.trainer import checkpoint
-from services.trainer.batch import GroupDecision, ledger_entries
-from services.trainer.counters import Counters
-from services.trainer.versions import VersionBook
+from rlbus.observability.logging import get_logger
+from rlbus.services.trainer import checkpoint
+from rlbus.services.trainer.batch import GroupDecision, ledger_entries
+from rlbus.services.trainer.counters import Counters
+from rlbus.services.trainer.versions import VersionBook
 
 log = get_logger()
 

@@ -60,12 +60,12 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from observability.logging import get_logger
-from services.policy.logprobs import check_sequences
-from services.trainer.errors import TrainerError
-from services.trainer.judge import InputLimits
-from services.trainer.settings import TrainerSettings
-from services.trainer.step import PackedSeq, accumulate, batch_counts, make_optimizer, step_metrics
+from rlbus.observability.logging import get_logger
+from rlbus.services.policy.logprobs import check_sequences
+from rlbus.services.trainer.errors import TrainerError
+from rlbus.services.trainer.judge import InputLimits
+from rlbus.services.trainer.settings import TrainerSettings
+from rlbus.services.trainer.step import PackedSeq, accumulate, batch_counts, make_optimizer, step_metrics
 
 log = get_logger()
 

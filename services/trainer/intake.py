@@ -15,17 +15,17 @@ import asyncio
 import time
 from collections.abc import Container
 
-from bus.protocol import ConsumerSpec, Delivery, Puller
-from bus.subjects import Subjects
-from observability.logging import get_logger
-from schemas import ScoredGroup
-from services.runtime.config import ConfigError, RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.trainer.batch import Assembler
-from services.trainer.commit import Committer
-from services.trainer.counters import Counters
-from services.trainer.settings import TrainerSettings
-from services.trainer.telemetry import Telemetry
+from rlbus.bus.protocol import ConsumerSpec, Delivery, Puller
+from rlbus.bus.subjects import Subjects
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import ScoredGroup
+from rlbus.services.runtime.config import ConfigError, RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.trainer.batch import Assembler
+from rlbus.services.trainer.commit import Committer
+from rlbus.services.trainer.counters import Counters
+from rlbus.services.trainer.settings import TrainerSettings
+from rlbus.services.trainer.telemetry import Telemetry
 
 log = get_logger()
 
@@ -39,9 +39,9 @@ def consumer_spec(run_cfg: RunSettings, cfg: TrainerSettings, subjects: Subjects
     # time (Committer.settle_drops, commit_dropped), so the drop rate does not scale this.
     held_steps = 2 * cfg.checkpoint_every + 2 * (run_cfg.max_staleness + 1) + 2
     max_ack_pending = held_steps * run_cfg.batch_groups + 512
-    # SCORED drops its oldest groups at its limit (bus.retention): only groups acked long ago may
+    # SCORED drops its oldest groups at its limit (rlbus.bus.retention): only groups acked long ago may
     # go, so it keeps at least twice what the trainer holds plus what is admitted but not pulled.
-    # Changing these keys later updates the durable in place (bus.streams.ensure_consumer).
+    # Changing these keys later updates the durable in place (rlbus.bus.streams.ensure_consumer).
     need = 2 * (held_steps + run_cfg.max_staleness + 1)
     if run_cfg.retention.scored_keep_steps < need:
         raise ConfigError(

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from schemas import ScoredGroup, ScoredRollout
+from rlbus.schemas import ScoredGroup, ScoredRollout
 
 # Rewards of real verifiers are of order 1 (0/1 correctness, a few shaped components).  The
 # trainer packs them into float32 and normalises each group by its mean and standard deviation:
@@ -42,7 +42,7 @@ class InputLimits:
 
     @classmethod
     def of_model(cls, model: Any) -> InputLimits:
-        """The limits ``services.policy.logprobs`` enforces for ``model``: its config's
+        """The limits ``rlbus.services.policy.logprobs`` enforces for ``model``: its config's
         ``vocab_size`` and ``max_position_embeddings``."""
         config = getattr(model, "config", None)
         vocab = getattr(config, "vocab_size", None)

@@ -27,8 +27,8 @@ from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.runtime.files import fsync_dir, write_synced
-from services.trainer.errors import TrainerError
+from rlbus.services.runtime.files import fsync_dir, write_synced
+from rlbus.services.trainer.errors import TrainerError
 
 MIN_COMPACT = 64 * 1024  # a journal shorter than this is never compacted: tiny bases would churn
 

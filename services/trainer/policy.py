@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from services.policy.load import load_policy
-from services.runtime.config import RunSettings
-from services.trainer import distributed
-from services.trainer.judge import InputLimits
-from services.trainer.settings import TrainerSettings
-from services.trainer.step import PackedSeq, make_optimizer, train_step
+from rlbus.services.policy.load import load_policy
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.trainer import distributed
+from rlbus.services.trainer.judge import InputLimits
+from rlbus.services.trainer.settings import TrainerSettings
+from rlbus.services.trainer.step import PackedSeq, make_optimizer, train_step
 
 
 class TrainedPolicy:

@@ -46,28 +46,28 @@ from typing import Any
 
 from opentelemetry.trace import Span
 
-from bus.protocol import Bus
-from bus.subjects import Subjects
-from observability import tracing
-from observability.logging import get_logger
-from schemas import SchemaError, ScoredGroup, WeightManifest
-from services.policy.logprobs import LogprobInputError
-from services.policy.upload import Uploader
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle
-from services.runtime.weights import make_transport
-from services.trainer import checkpoint
-from services.trainer.batch import Assembler, GroupDecision
-from services.trainer.board import StepBoard
-from services.trainer.commit import Committer
-from services.trainer.counters import Counters
-from services.trainer.intake import Intake, consumer_spec
-from services.trainer.policy import TrainedPolicy
-from services.trainer.settings import TrainerSettings
-from services.trainer.step import PackedSeq, pack, step_refusals
-from services.trainer.telemetry import Telemetry
-from services.trainer.versions import VersionBook
+from rlbus.bus.protocol import Bus
+from rlbus.bus.subjects import Subjects
+from rlbus.observability import tracing
+from rlbus.observability.logging import get_logger
+from rlbus.schemas import SchemaError, ScoredGroup, WeightManifest
+from rlbus.services.policy.logprobs import LogprobInputError
+from rlbus.services.policy.upload import Uploader
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.runtime.weights import make_transport
+from rlbus.services.trainer import checkpoint
+from rlbus.services.trainer.batch import Assembler, GroupDecision
+from rlbus.services.trainer.board import StepBoard
+from rlbus.services.trainer.commit import Committer
+from rlbus.services.trainer.counters import Counters
+from rlbus.services.trainer.intake import Intake, consumer_spec
+from rlbus.services.trainer.policy import TrainedPolicy
+from rlbus.services.trainer.settings import TrainerSettings
+from rlbus.services.trainer.step import PackedSeq, pack, step_refusals
+from rlbus.services.trainer.telemetry import Telemetry
+from rlbus.services.trainer.versions import VersionBook
 
 log = get_logger()
 

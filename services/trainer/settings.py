@@ -12,9 +12,9 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 from pydantic_core import PydanticCustomError
 
-from services.runtime.config import Settings
-from services.trainer.advantages import AdvantageConfig
-from services.trainer.objective import ObjectiveConfig
+from rlbus.services.runtime.config import Settings
+from rlbus.services.trainer.advantages import AdvantageConfig
+from rlbus.services.trainer.objective import ObjectiveConfig
 
 # Keys that were flat in [trainer] before the nested tables existed: old name -> its table now.
 MOVED_KEYS: dict[str, str] = {

@@ -14,15 +14,20 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from schemas.metric_keys import TrainerKeys
-from services.policy.logprobs import LogprobInputError, check_sequences, completion_logprobs, shared_prefix_logprobs
-from services.policy.sampling import SamplingParams
-from services.trainer.advantages import group_advantages
-from services.trainer.batch import GroupDecision
-from services.trainer.judge import InputLimits
-from services.trainer.mismatch import mismatch_metrics
-from services.trainer.objective import policy_loss
-from services.trainer.settings import TrainerSettings
+from rlbus.schemas.metric_keys import TrainerKeys
+from rlbus.services.policy.logprobs import (
+    LogprobInputError,
+    check_sequences,
+    completion_logprobs,
+    shared_prefix_logprobs,
+)
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.trainer.advantages import group_advantages
+from rlbus.services.trainer.batch import GroupDecision
+from rlbus.services.trainer.judge import InputLimits
+from rlbus.services.trainer.mismatch import mismatch_metrics
+from rlbus.services.trainer.objective import policy_loss
+from rlbus.services.trainer.settings import TrainerSettings
 
 
 @dataclass

@@ -1,24 +1,24 @@
 """The trainer's heartbeat on ``rl.<run>.metrics.trainer.<instance>``.
 
-Names that another service reads come from ``schemas.metric_keys`` (the controller's admission
+Names that another service reads come from ``rlbus.schemas.metric_keys`` (the controller's admission
 and balance accounting, ``rlbus up``, ``rlbus status``); the rest are for people.  Per-process
 counts (group outcomes, ``trainer/idle_s``) start from zero in each trainer process; the run
 totals (``trainer/groups_trained_total`` …) continue from the checkpoint.  What a step's heartbeat
 carries also goes to TensorBoard (``board.StepBoard``), and to Prometheus with every beat
-(``observability.metrics``).
+(``rlbus.observability.metrics``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle
-from services.trainer.batch import Assembler
-from services.trainer.board import StepBoard
-from services.trainer.commit import Committer
-from services.trainer.counters import Counters
+from rlbus.schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.trainer.batch import Assembler
+from rlbus.services.trainer.board import StepBoard
+from rlbus.services.trainer.commit import Committer
+from rlbus.services.trainer.counters import Counters
 
 _BREAKDOWN = (*OUTCOMES, STALE_HELD)
 

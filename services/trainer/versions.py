@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from schemas import Rollout
-from services.runtime.files import NumberBook
-from services.trainer.errors import TrainerError
+from rlbus.schemas import Rollout
+from rlbus.services.runtime.files import NumberBook
+from rlbus.services.trainer.errors import TrainerError
 
 BOOK_FILE = "versions.json"
 

@@ -19,13 +19,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from services.catalog import SERVICES, singletons
-from services.policy.drafter_names import MODEL_DRAFTERS
-from services.policy.model_info import MODEL_INFO_FILE
-from services.runtime.config import ConfigError, RunSettings, load_section, read_toml
-from services.up.procs import Children
-from services.up.settings import UpSettings
-from services.up.tomlw import dumps
+from rlbus.services.catalog import SERVICES, singletons
+from rlbus.services.policy.drafter_names import MODEL_DRAFTERS
+from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.runtime.config import ConfigError, RunSettings, load_section, read_toml
+from rlbus.services.up.procs import Children
+from rlbus.services.up.settings import UpSettings
+from rlbus.services.up.tomlw import dumps
 
 
 def metrics_ports(base: int, names: list[str]) -> dict[str, dict[str, str]]:
@@ -75,7 +75,7 @@ def ensure_model(path: Path, up_cfg: UpSettings) -> None:
                               f"{DEFAULT_MODEL_PATHS[up_cfg.task]!r}) and it is built there")
         return
     print(f"rlbus up: building the warm-started {up_cfg.task} policy at {path} (once; ~1-2 min) …", flush=True)
-    subprocess.run([sys.executable, "-m", "services.cli", "init-model", "--task", up_cfg.task, "--out", str(path),
+    subprocess.run([sys.executable, "-m", "rlbus.services.cli", "init-model", "--task", up_cfg.task, "--out", str(path),
                     "--seed", str(up_cfg.seed), "--target", str(up_cfg.init_target)], check=True,
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
 
@@ -88,7 +88,8 @@ def ensure_draft(data: dict[str, Any], policy: Path, folder: Path) -> None:
         return
     out = folder / "draft"
     if not (out / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "services.cli", "init-draft", "--policy", str(policy), "--out", str(out)],
+        subprocess.run([sys.executable, "-m", "rlbus.services.cli",
+                        "init-draft", "--policy", str(policy), "--out", str(out)],
                        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
     data.setdefault("generator", {}).setdefault("speculative", {})["draft_model_path"] = str(out)
 
@@ -97,8 +98,8 @@ def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
     train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
     sampling: dict[str, object] = {"max_new_tokens": up_cfg.turn_tokens}
     if up_cfg.task == "calculator":
-        from services.policy.calc_init import TOOL_STOP
-        from services.tasks.calculator import make_split as calculator_split
+        from rlbus.services.policy.calc_init import TOOL_STOP
+        from rlbus.services.tasks.calculator import make_split as calculator_split
 
         # The tool turn ends at the call's closing parenthesis (the driver cuts it there), so the
         # observation follows the call directly, as in the warm start's transcripts.
@@ -109,7 +110,7 @@ def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
                      for t in calculator_split(split, n, up_cfg.seed)]
             path.write_text("".join(line + "\n" for line in lines))
         return train, heldout
-    from services.tasks.addition import make_split, write_jsonl
+    from rlbus.services.tasks.addition import make_split, write_jsonl
 
     write_jsonl(train, make_split("train", up_cfg.train_tasks, up_cfg.seed), {**sampling, "temperature": up_cfg.temperature})
     # Held-out evaluation is greedy: accuracy of the policy's most likely answer.
@@ -134,7 +135,7 @@ def export_final_policy(run_cfg: RunSettings, run_dir: Path) -> Path | None:
 
 
 def read_tasks(run_cfg: RunSettings, train: Path) -> list[Any]:
-    from services.runtime.taskfile import read_task_file
+    from rlbus.services.runtime.taskfile import read_task_file
 
     tasks, errors = read_task_file(train, run=run_cfg.run, pool=run_cfg.pools[0], group_size=run_cfg.group_size)
     if errors:
@@ -204,7 +205,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         return 2
     train, heldout = write_tasks(folder, up_cfg)
 
-    from bus.server import EmbeddedServer
+    from rlbus.bus.server import EmbeddedServer
 
     server = EmbeddedServer(store_dir=folder / "nats", port=-1)
     server.start()
@@ -223,8 +224,8 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         tasks = read_tasks(run_cfg, train)
         print(f"rlbus up: run folder {folder}; {len(tasks)} training tasks (fed as the backlog drains); "
               f"NATS at {server.url}", flush=True)
-        from observability.tracing import configure_tracing, shutdown_tracing
-        from services.up.watch import watch
+        from rlbus.observability.tracing import configure_tracing, shutdown_tracing
+        from rlbus.services.up.watch import watch
 
         configure_tracing("up", run=run_cfg.run)  # the feeder's publishes open each task's trace
         try:
@@ -239,7 +240,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         exits = children.stop(up_cfg.shutdown_grace)
         server.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from services.up.report import write_report
+        from rlbus.services.up.report import write_report
 
         report = write_report(folder / "metrics.jsonl", folder / "report.png")
         final = export_final_policy(run_cfg, folder)

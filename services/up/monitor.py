@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from schemas import Heartbeat, ScoredGroup
-from schemas.metric_keys import DraftKeys, SpeculativeKeys
+from rlbus.schemas import Heartbeat, ScoredGroup
+from rlbus.schemas.metric_keys import DraftKeys, SpeculativeKeys
 
 # The speculative tail's per-call figures a train row carries (report.png plots them).
 DRAFTING_KEYS = (SpeculativeKeys.ACCEPTANCE_RATE, SpeculativeKeys.TOKENS_PER_FORWARD, SpeculativeKeys.MEAN_ACCEPTED_LEN,

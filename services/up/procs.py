@@ -70,7 +70,8 @@ class Children:
 
     def start(self, name: str, service: str, config: Path, env: dict[str, str] | None = None) -> Child:
         """``rlbus serve <service> --config <config>`` as child ``name``."""
-        return self.run(name, [sys.executable, "-m", "services.cli", "serve", service, "--config", str(config)], env)
+        return self.run(name, [sys.executable, "-m", "rlbus.services.cli",
+                               "serve", service, "--config", str(config)], env)
 
     def run(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> Child:
         """Any command as child ``name`` (logged to ``<log_dir>/<name>.log``)."""

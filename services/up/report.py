@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from schemas.metric_keys import DraftKeys, SpeculativeKeys, SpeculatorKeys
-from services.up.monitor import load_metrics
+from rlbus.schemas.metric_keys import DraftKeys, SpeculativeKeys, SpeculatorKeys
+from rlbus.services.up.monitor import load_metrics
 
 
 def write_report(metrics_path: Path, out: Path) -> Path | None:

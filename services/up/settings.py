@@ -4,7 +4,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from services.runtime.config import Settings
+from rlbus.services.runtime.config import Settings
 
 # A turn's token cap when [up] max_new_tokens is not set: an addition answer is at most 4 digits and
 # <eos>; a calculator tool turn is `calc(` + 15 characters + `)` (services/policy/calc_init.py).

@@ -13,14 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bus import BusError
-from observability.tracing import task_traces
-from schemas import Heartbeat, SchemaError, ScoredGroup, Task
-from schemas.metric_keys import DraftKeys, SpeculativeKeys
-from services.runtime.config import RunSettings
-from services.up.monitor import Monitor
-from services.up.procs import Children
-from services.up.settings import UpSettings
+from rlbus.bus import BusError
+from rlbus.observability.tracing import task_traces
+from rlbus.schemas import Heartbeat, SchemaError, ScoredGroup, Task
+from rlbus.schemas.metric_keys import DraftKeys, SpeculativeKeys
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.up.monitor import Monitor
+from rlbus.services.up.procs import Children
+from rlbus.services.up.settings import UpSettings
 
 
 def _line(row: dict[str, Any], mon: Monitor) -> str:
@@ -141,7 +141,7 @@ class UpWatch:
 
     def __init__(self, bus: Any, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
                  tasks: list[Any], *, view: bool) -> None:
-        from bus.subjects import Subjects
+        from rlbus.bus.subjects import Subjects
 
         self.bus, self.run_cfg, self.up_cfg = bus, run_cfg, up_cfg
         self.subjects = Subjects(run_cfg.run)
@@ -241,11 +241,11 @@ class UpWatch:
 
 async def watch(url: str, run_cfg: RunSettings, up_cfg: UpSettings, folder: Path, children: Children,
                 tasks: list[Any], *, view: bool) -> int:
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     bus = await JetStreamBus.connect(url, run_cfg.run, name="rlbus-up-watch")
     try:
-        from services.commands.control import new_run
+        from rlbus.services.commands.control import new_run
 
         await new_run(bus, [f"gen-{i}" for i in range(up_cfg.generators)])
         w = UpWatch(bus, run_cfg, up_cfg, folder, children, tasks, view=view)

@@ -30,7 +30,7 @@ def _key() -> str:
 
 @pytest.fixture(scope="session")
 def chat_tokenizer() -> Any:
-    from services.policy.chat_model import build_chat_tokenizer
+    from rlbus.services.policy.chat_model import build_chat_tokenizer
 
     return build_chat_tokenizer(seed=0)
 
@@ -43,7 +43,7 @@ def chat_model_warm() -> Path:
     with open(CACHE / f".{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "config.json").exists():
-            from services.policy.chat_model import build_chat_model
+            from rlbus.services.policy.chat_model import build_chat_model
 
             build_chat_model(out, seed=0, warm_steps=WARM_STEPS, overwrite=True, log=lambda _: None)
     return out

@@ -19,11 +19,11 @@ import openai
 import pytest
 from aiohttp.test_utils import TestServer
 
-from bus.subjects import Subjects
-from schemas import RolloutGroup
-from services.chat.server import EPISODE_HEADER, ChatEndpoint
-from services.generator.settings import ChatEndpointOptions
-from services.policy.chat_model import CALCULATOR_TOOL
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import RolloutGroup
+from rlbus.services.chat.server import EPISODE_HEADER, ChatEndpoint
+from rlbus.services.generator.settings import ChatEndpointOptions
+from rlbus.services.policy.chat_model import CALCULATOR_TOOL
 from tests.chat.conftest import RecordingBus, ScriptedBackend
 
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>'

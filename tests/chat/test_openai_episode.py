@@ -27,20 +27,20 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from schemas import ScoredGroup
-from services.chat.server import EPISODE_HEADER
-from services.chat.template import ChatTemplate
-from services.generator import service as generator_service
-from services.generator.settings import ChatEndpointOptions, GeneratorSettings
-from services.generator.torch_backend import TorchBackend
-from services.policy.chat_model import CALCULATOR_TOOL
-from services.policy.load import load_policy, load_state_from_safetensors
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampling import SamplingParams
-from services.reward import service as reward_service
-from services.reward.settings import RewardSettings
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
+from rlbus.schemas import ScoredGroup
+from rlbus.services.chat.server import EPISODE_HEADER
+from rlbus.services.chat.template import ChatTemplate
+from rlbus.services.generator import service as generator_service
+from rlbus.services.generator.settings import ChatEndpointOptions, GeneratorSettings
+from rlbus.services.generator.torch_backend import TorchBackend
+from rlbus.services.policy.chat_model import CALCULATOR_TOOL
+from rlbus.services.policy.load import load_policy, load_state_from_safetensors
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.reward import service as reward_service
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.integration
 TOOLS = [CALCULATOR_TOOL]

@@ -13,13 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from schemas import Rollout, RolloutGroup, Task
-from services.chat.episodes import ChatEpisode, EpisodeBook, TaskRef
-from services.chat.errors import ChatError, Conflict, NotFound, PolicyOutputError, StitchError
-from services.chat.stitch import Conversation, EpisodeTokens, check_fits
-from services.chat.template import ChatTemplate, normalise, parse_tool_calls
-from services.policy.chat_model import CALCULATOR_TOOL
-from services.reward.verifiers import VERIFIERS
+from rlbus.schemas import Rollout, RolloutGroup, Task
+from rlbus.services.chat.episodes import ChatEpisode, EpisodeBook, TaskRef
+from rlbus.services.chat.errors import ChatError, Conflict, NotFound, PolicyOutputError, StitchError
+from rlbus.services.chat.stitch import Conversation, EpisodeTokens, check_fits
+from rlbus.services.chat.template import ChatTemplate, normalise, parse_tool_calls
+from rlbus.services.policy.chat_model import CALCULATOR_TOOL
+from rlbus.services.reward.verifiers import VERIFIERS
 
 TOOLS = [CALCULATOR_TOOL]
 USER = {"role": "user", "content": "What is 12 + 34?"}
@@ -213,7 +213,7 @@ def test_reported_verifier() -> None:
 
 
 def test_the_chat_folder_loads_the_tokenizer_it_was_trained_with(chat_model_warm: Path, chat_tokenizer: Any) -> None:
-    from services.policy.load import load_tokenizer
+    from rlbus.services.policy.load import load_tokenizer
 
     text = "What is 12 + 345? calc(12+345) = 357, so the answer is 357."
     assert load_tokenizer(chat_model_warm).encode(text) == chat_tokenizer.encode(text)

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from services.catalog import SERVICES
-from services.serve import parse_unit, resolve
+from rlbus.services.catalog import SERVICES
+from rlbus.services.serve import parse_unit, resolve
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -244,8 +244,8 @@ def test_nats_nodes_use_the_generated_users_and_fail_without_them() -> None:
 def test_generated_env_files_give_each_compose_service_its_role(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What `rlbus auth init` writes, loaded the way compose loads env_file, resolves to the role's
     user for every service with its config (the grants name the config's run)."""
-    from bus.credentials import PASSWORD_ENV
-    from services.commands.auth import auth_init_cmd
+    from rlbus.bus.credentials import PASSWORD_ENV
+    from rlbus.services.commands.auth import auth_init_cmd
     from tests.deploy.units import read_env_file
 
     compose = load_compose("compose.yaml", env={"RLBUS_CONFIG": "run.toml"})

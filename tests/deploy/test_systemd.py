@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bus.server import EmbeddedServer, free_port
+from rlbus.bus.server import EmbeddedServer, free_port
 from tests.deploy.units import (
     INSTALL_BIN,
     SYSTEMD,
@@ -193,8 +193,8 @@ async def test_template_runs_generator_1_with_its_roles_credentials(tmp_path: Pa
     """The whole credential path: `rlbus auth init` run as documented, the shipped cluster config
     with the generated users on three real nodes, and rlbus@generator-1's ExecStart with the
     shared, instance and credential files (generator-1.env there a symlink to generator.env)."""
-    from bus.credentials import Credentials, CredentialsError
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.credentials import Credentials, CredentialsError
+    from rlbus.bus.jetstream import JetStreamBus
     from tests.e2e.harness import wait_heartbeat
 
     svc = ServiceProcess("rlbus@.service", "generator-1", tmp_path)

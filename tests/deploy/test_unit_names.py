@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import main
-from services.runtime.config import ConfigError
-from services.serve import parse_unit, resolve
+from rlbus.services.cli import main
+from rlbus.services.runtime.config import ConfigError
+from rlbus.services.serve import parse_unit, resolve
 
 
 def test_plain_service_keeps_the_configured_instance(tmp_path: Path) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from bus.subjects import Subjects
-from schemas import (
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import (
     Admit,
     Control,
     EnvReset,
@@ -349,7 +349,7 @@ def cases(target: str, n: int, subjects: Subjects, *, seed: int = 0) -> Iterator
 
 def valid_tasks(n: int, *, seed: int) -> list[Task]:
     """Well-formed addition tasks the run must score despite the fuzz."""
-    from services.tasks.addition import make_split
+    from rlbus.services.tasks.addition import make_split
 
     return [Task(run=RUN, task_id=f"ok-{seed}-{t.task_id}", pool=POOL, env=ENV, prompt=t.prompt, answer=t.answer,
                  group_size=8) for t in make_split("train", n, seed=seed)]

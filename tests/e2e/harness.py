@@ -12,14 +12,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bus.jetstream import JetStreamBus
-from bus.server import EmbeddedServer
-from bus.subjects import Subjects
-from schemas import Control, Heartbeat, SchemaError
-from services.catalog import SINGLETONS
-from services.up.monitor import load_metrics
-from services.up.procs import Child, Children
-from services.up.tomlw import dumps
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.server import EmbeddedServer
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import Control, Heartbeat, SchemaError
+from rlbus.services.catalog import SINGLETONS
+from rlbus.services.up.monitor import load_metrics
+from rlbus.services.up.procs import Child, Children
+from rlbus.services.up.tomlw import dumps
 
 T = TypeVar("T")
 
@@ -96,7 +96,7 @@ class Pipeline:
 
     def ask_where_everything_waits(self) -> None:
         """SIGUSR1 and SIGUSR2 to every live service: each logs the stack of its asyncio tasks and
-        writes every thread's stack to stderr (``services.runtime.lifecycle``)."""
+        writes every thread's stack to stderr (``rlbus.services.runtime.lifecycle``)."""
         # One signal at a time, a second apart: a C-level dump that lands while the asyncio dump
         # is being written can crash the service (tests/unit/test_lifecycle.py).
         for sig in (signal.SIGUSR1, signal.SIGUSR2):
@@ -178,7 +178,7 @@ def _describe(kind: str, subject: str, data: bytes, keep: tuple[str, ...]) -> st
 
 
 def checkpoint_state(root: Path) -> dict[str, Any]:
-    from services.trainer.checkpoint import peek_newest  # the ledger lives beside the folder (ledger.py)
+    from rlbus.services.trainer.checkpoint import peek_newest  # the ledger lives beside the folder (ledger.py)
 
     newest = peek_newest(root / "checkpoints")
     assert newest is not None, f"no checkpoint in {root / 'checkpoints'}"
@@ -207,7 +207,7 @@ def run_up(tmp_path: Path, config_toml: str, *, timeout: float) -> tuple[Path, l
     config = tmp_path / "run.toml"
     config.write_text(config_toml)
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir", str(run_dir),
+    proc = subprocess.run([sys.executable, "-m", "rlbus.services.cli", "up", str(config), "--run-dir", str(run_dir),
                            "--no-view"], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return run_dir, load_metrics(run_dir / "metrics.jsonl")

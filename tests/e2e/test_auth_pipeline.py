@@ -12,14 +12,14 @@ from typing import TypeVar
 
 import pytest
 
-from bus.credentials import Credentials
-from bus.jetstream import JetStreamBus
-from bus.server import EmbeddedServer
-from schemas import Task
-from services.catalog import SINGLETONS
-from services.commands.auth import init
-from services.runtime.config import RunSettings
-from services.tasks.addition import make_split
+from rlbus.bus.credentials import Credentials
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.server import EmbeddedServer
+from rlbus.schemas import Task
+from rlbus.services.catalog import SINGLETONS
+from rlbus.services.commands.auth import init
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.tasks.addition import make_split
 from tests.e2e.harness import Pipeline, wait_heartbeat
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -27,9 +27,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from schemas import Control, Rollout, RolloutGroup, Shard, Task, WeightManifest
-from schemas.control import Stall
-from services.tasks.addition import make_split
+from rlbus.schemas import Control, Rollout, RolloutGroup, Shard, Task, WeightManifest
+from rlbus.schemas.control import Stall
+from rlbus.services.tasks.addition import make_split
 from tests.e2e.harness import Pipeline, checkpoint_state, last_words, wait_heartbeat, wait_message
 from tests.integration.helpers import dead_letters
 

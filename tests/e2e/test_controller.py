@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-from bus.jetstream import JetStreamBus
-from schemas import Control, Heartbeat, SchemaError, ScoredGroup, Task
-from services.commands.control import send_mix
-from services.tasks.addition import make_split
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.schemas import Control, Heartbeat, SchemaError, ScoredGroup, Task
+from rlbus.services.commands.control import send_mix
+from rlbus.services.tasks.addition import make_split
 from tests.e2e.harness import Pipeline, checkpoint_state, record_stat, wait_heartbeat
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

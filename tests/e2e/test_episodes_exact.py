@@ -19,18 +19,18 @@ import numpy as np
 import pytest
 import torch
 
-from bus.jetstream import JetStreamBus
-from bus.protocol import ConsumerSpec
-from schemas import EpisodeLimits, RolloutGroup, SamplingParams, Task
-from services.environment import service as env_service
-from services.environment.envs import ENVIRONMENTS, PromptEnv, Turn
-from services.environment.settings import EnvironmentSettings
-from services.policy.load import load_policy
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampling import SamplingParams as PolicySampling
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.runtime.tokens import TextCodec
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.protocol import ConsumerSpec
+from rlbus.schemas import EpisodeLimits, RolloutGroup, SamplingParams, Task
+from rlbus.services.environment import service as env_service
+from rlbus.services.environment.envs import ENVIRONMENTS, PromptEnv, Turn
+from rlbus.services.environment.settings import EnvironmentSettings
+from rlbus.services.policy.load import load_policy
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampling import SamplingParams as PolicySampling
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.runtime.tokens import TextCodec
 from tests.e2e.harness import Pipeline
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -16,7 +16,7 @@ list of targets), published while valid tasks are in flight.  Afterwards:
   fresh wave is scored and the trainer steps.
 
 Violations are collected and reported together, with subject, case kind and the logs' tails.
-Uploads have their own work queue (UPLOADS, ``bus.streams``), which keeps every upload until
+Uploads have their own work queue (UPLOADS, ``rlbus.bus.streams``), which keeps every upload until
 weight-broadcast acks it, so all N go in one go like the other work streams.  Published manifests
 (``weights``) still go in small lots, each read before the next, within a time budget (the count
 reached is reported): WEIGHTS is a limits stream keeping the last 1,024 per subject for its
@@ -39,9 +39,9 @@ from typing import Any
 import msgpack
 import pytest
 
-from bus.subjects import Subjects
-from schemas import DeadLetter, EnvReply, EnvReplyBatch, SchemaError, ScoredGroup
-from services.catalog import SINGLETONS
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import DeadLetter, EnvReply, EnvReplyBatch, SchemaError, ScoredGroup
+from rlbus.services.catalog import SINGLETONS
 from tests.e2e import fuzz
 from tests.e2e.harness import Pipeline, checkpoint_state, wait_heartbeat
 

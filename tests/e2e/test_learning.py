@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.config import RunSettings
+from rlbus.services.runtime.config import RunSettings
 from tests.e2e.harness import record_stat, run_up
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

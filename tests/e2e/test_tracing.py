@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from observability import tracing as t
-from services.catalog import SINGLETONS
-from services.tasks.addition import make_split
+from rlbus.observability import tracing as t
+from rlbus.services.catalog import SINGLETONS
+from rlbus.services.tasks.addition import make_split
 from tests.e2e.harness import Pipeline, checkpoint_state, wait_heartbeat
 from tests.e2e.otlp import OtlpReceiver, Span
 
@@ -60,7 +60,7 @@ def publish(p: Pipeline, endpoint: str) -> list[str]:
               "group_size": GROUP_SIZE} for a in make_split("train", N_TASKS, seed=11)]
     path = p.root / "tasks.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    out = subprocess.run([sys.executable, "-m", "services.cli", "publish", str(path), "--pool", "train",
+    out = subprocess.run([sys.executable, "-m", "rlbus.services.cli", "publish", str(path), "--pool", "train",
                           "--run", p.run, "--nats-url", p.server.url],
                          env={**os.environ, **otel_env(endpoint)}, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

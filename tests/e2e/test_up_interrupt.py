@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.up.monitor import load_metrics
+from rlbus.services.up.monitor import load_metrics
 from tests.e2e.harness import checkpoint_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -60,7 +60,7 @@ checkpoint_every = 2
 """)
     run_dir = tmp_path / "run"
     # Its own process group, like a shell's foreground job: Ctrl-C signals the whole group.
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "up", str(config), "--run-dir", str(run_dir),
+    proc = subprocess.Popen([sys.executable, "-m", "rlbus.services.cli", "up", str(config), "--run-dir", str(run_dir),
                              "--no-view"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:

@@ -7,8 +7,8 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from bus.protocol import ConsumerSpec
-from schemas import DeadLetter
+from rlbus.bus.protocol import ConsumerSpec
+from rlbus.schemas import DeadLetter
 
 
 def task_spec(bus: Any, pool: str = "math", **kw: Any) -> ConsumerSpec:
@@ -45,7 +45,7 @@ async def stream_messages(bus: Any, kind: str) -> int:
 @contextlib.asynccontextmanager
 async def consuming(bus: Any, spec: ConsumerSpec, decode: Callable[[bytes], Any],
                     handler: Callable[[Any, Any], Awaitable[None]], **kw: Any) -> AsyncIterator[asyncio.Task[None]]:
-    """Run ``bus.consume`` in the background for the duration of the block, then cancel it."""
+    """Run ``rlbus.bus.consume`` in the background for the duration of the block, then cancel it."""
     task = asyncio.create_task(bus.consume(spec, decode, handler, **kw))
     try:
         yield task
@@ -70,11 +70,11 @@ async def eventually(predicate: Callable[[], Any], timeout: float = 10.0, interv
 async def broadcast_running(bus: Any, run: str, run_dir: Any) -> AsyncIterator[Any]:
     """A weight-broadcast service on ``bus`` (object-store transport) running its loops until the
     block ends; yields the service (its ``b`` is the Broadcaster)."""
-    from services.broadcast.service import Broadcaster, BroadcastService
-    from services.broadcast.settings import BroadcastSettings
-    from services.runtime.config import RunSettings
-    from services.runtime.lifecycle import Lifecycle, run_until_stopped
-    from services.runtime.weights import ObjectStoreTransport
+    from rlbus.services.broadcast.service import Broadcaster, BroadcastService
+    from rlbus.services.broadcast.settings import BroadcastSettings
+    from rlbus.services.runtime.config import RunSettings
+    from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+    from rlbus.services.runtime.weights import ObjectStoreTransport
 
     cfg = BroadcastSettings()
     life = Lifecycle(grace=2.0)

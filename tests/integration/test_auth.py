@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from bus.credentials import Credentials, CredentialsError
-from bus.jetstream import JetStreamBus
-from bus.permissions import PermissionDenied
-from bus.protocol import BusError, ConsumerSpec, RequestFailed
-from bus.server import EmbeddedServer
-from services.commands.auth import ROLES, init
-from services.runtime.config import RunSettings
+from rlbus.bus.credentials import Credentials, CredentialsError
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.permissions import PermissionDenied
+from rlbus.bus.protocol import BusError, ConsumerSpec, RequestFailed
+from rlbus.bus.server import EmbeddedServer
+from rlbus.services.commands.auth import ROLES, init
+from rlbus.services.runtime.config import RunSettings
 
 pytestmark = pytest.mark.integration
 
@@ -101,7 +101,7 @@ Action = Callable[[Any, S], Awaitable[None]]
 
 
 def subjects():
-    from bus.subjects import Subjects
+    from rlbus.bus.subjects import Subjects
 
     return Subjects(RUN)
 
@@ -131,7 +131,7 @@ async def broadcast_pulls_upload(secured: Any, bus: S) -> None:
 
 
 def draft() -> str:
-    from bus.subjects import draft_model_name
+    from rlbus.bus.subjects import draft_model_name
 
     return draft_model_name(MODEL)
 
@@ -148,9 +148,9 @@ async def broadcast_pulls_draft_upload(secured: Any, bus: S) -> None:
 
 def follows_advisories(kind: str, durable: str) -> Action:
     """Declare the advisory durable of (``kind``, ``durable``) and pull from it, as
-    ``bus.advisories`` does for a connection that consumes that durable."""
+    ``rlbus.bus.advisories`` does for a connection that consumes that durable."""
     async def act(secured: Any, bus: S) -> None:
-        from bus.streams import ensure_advisory_consumer
+        from rlbus.bus.streams import ensure_advisory_consumer
 
         name = await ensure_advisory_consumer(bus.connection.js, subjects(), kind, durable)
         inbox = await bus.connection.pull_inbox(subjects().advisory_stream, name)
@@ -415,8 +415,8 @@ async def test_a_password_in_the_url_works_and_is_never_in_an_error(secured, tmp
 
 # --- credentials in the config, and where they may not go ------------------------------------------
 def test_a_clear_password_key_is_refused_with_where_to_put_it(tmp_path, monkeypatch):
-    from services.reward.settings import RewardSettings
-    from services.runtime.config import ConfigError, load
+    from rlbus.services.reward.settings import RewardSettings
+    from rlbus.services.runtime.config import ConfigError, load
 
     cfg = tmp_path / "run.toml"
     cfg.write_text('[run]\nnats_user = "reward"\nnats_password = "hunter2"\n')
@@ -445,7 +445,7 @@ def test_the_password_comes_from_its_file_or_the_environment(tmp_path, monkeypat
 
 
 def test_a_password_in_a_url_is_never_logged_or_put_in_an_error():
-    from bus.urls import BadServerURL, redact_url, server_urls
+    from rlbus.bus.urls import BadServerURL, redact_url, server_urls
 
     url = "nats://gen:pw123@nats-1:4222,nats://nats-2:4222"
     assert redact_url(url) == "nats://***@nats-1:4222,nats://nats-2:4222"
@@ -509,7 +509,7 @@ async def test_cli_tools_log_in_from_the_operator_env_file(secured, monkeypatch)
     for line in (secrets / "operator.env").read_text().splitlines():
         key, _, value = line.partition("=")
         monkeypatch.setenv(key, value)
-    from services.commands.streams import streams
+    from rlbus.services.commands.streams import streams
 
     assert await asyncio.to_thread(streams, RUN, server.url, as_json=True) == 0
     monkeypatch.setenv("RLBUS_NATS_PASSWORD", "wrong")
@@ -518,7 +518,7 @@ async def test_cli_tools_log_in_from_the_operator_env_file(secured, monkeypatch)
 
 
 def test_rlbus_auth_init_prints_no_secret_and_keeps_existing_passwords(tmp_path, capsys):
-    from services.cli import main
+    from rlbus.services.cli import main
 
     out = tmp_path / "auth"
     assert main(["auth", "init", "--out", str(out), "--run", "other"]) == 0

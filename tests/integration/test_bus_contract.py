@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from bus.memory import MemoryBus
-from bus.protocol import BusClosed, BusConfigError, BusError, ConsumerSpec, Delivery, Poison, RequestFailed, Retry
-from schemas import SchemaError, Task
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import BusClosed, BusConfigError, BusError, ConsumerSpec, Delivery, Poison, RequestFailed, Retry
+from rlbus.schemas import SchemaError, Task
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import consuming, dead_letters, eventually, stream_messages, task_spec
 
@@ -31,7 +31,7 @@ async def any_bus(request: pytest.FixtureRequest, run_name: str) -> AsyncIterato
         b: Any = MemoryBus(run_name, name="test", error_backoff=BUS_TEST_OPTIONS["error_backoff"],
                            shutdown_grace=BUS_TEST_OPTIONS["shutdown_grace"])
     else:
-        from bus.jetstream import JetStreamBus
+        from rlbus.bus.jetstream import JetStreamBus
 
         server = request.getfixturevalue("nats_server")
         b = await JetStreamBus.connect(server.url, run_name, name="test", **BUS_TEST_OPTIONS)

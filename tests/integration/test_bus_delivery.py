@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from bus.protocol import Delivery
-from schemas import Task
+from rlbus.bus.protocol import Delivery
+from rlbus.schemas import Task
 from tests.integration.helpers import consuming, dead_letters, eventually, stream_messages, task_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from bus.protocol import ConsumerSpec, Delivery, ServerUnavailable
-from bus.server import EmbeddedServer
-from bus.streams import declarations, ensure_streams
-from schemas import Task
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import ConsumerSpec, Delivery, ServerUnavailable
+from rlbus.bus.server import EmbeddedServer
+from rlbus.bus.streams import declarations, ensure_streams
+from rlbus.schemas import Task
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import dead_letters, eventually, task_spec
 
@@ -73,7 +73,7 @@ class Pipeline:
 
 
 async def test_services_ride_out_a_server_outage_far_longer_than_the_publish_deadline(tmp_path):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     server = EmbeddedServer(tmp_path / "nats")
     await server.astart()
@@ -134,7 +134,7 @@ async def test_services_ride_out_a_server_outage_far_longer_than_the_publish_dea
 
 
 async def test_a_dead_letter_that_cannot_be_written_leaves_the_message_for_later(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     bus = await JetStreamBus.connect(nats_server.url, run_name, name="trainer",
                                      **dict(BUS_TEST_OPTIONS, publish_deadline=1.0, error_backoff=(0.2, 0.5)))
@@ -186,7 +186,7 @@ async def _exhaust_deliveries(bus: Any, spec_kw: dict[str, Any]) -> bytes:
 
 
 async def test_max_deliveries_reached_while_no_consumer_is_connected_is_still_dead_lettered(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     spec_kw = dict(ack_wait=1.0, max_deliver=2)
     first = await JetStreamBus.connect(nats_server.url, run_name, name="reward-0", **BUS_TEST_OPTIONS)
@@ -211,7 +211,7 @@ async def test_max_deliveries_reached_while_no_consumer_is_connected_is_still_de
 
 
 async def test_a_max_deliveries_dead_letter_that_fails_is_tried_again(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     spec_kw = dict(ack_wait=1.0, max_deliver=2)
     bus = await JetStreamBus.connect(nats_server.url, run_name, name="reward-0",
@@ -231,7 +231,7 @@ async def test_a_max_deliveries_dead_letter_that_fails_is_tried_again(nats_serve
 
 
 async def test_declarations_cover_the_advisories_of_every_stream():
-    from bus.subjects import Subjects
+    from rlbus.bus.subjects import Subjects
 
     s = Subjects("adv")
     subjects = set(s.max_deliveries_advisories())
@@ -276,7 +276,7 @@ async def test_no_pull_is_sent_while_disconnected(tmp_path):
     heartbeats.  It once returned at once whenever a status or message had arrived after the
     previous fetch, without yielding, and the trainer spun on it for good: never reconnected,
     never heartbeated (the chaos test's outage, measured)."""
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     server = EmbeddedServer(tmp_path / "nats")
     await server.astart()
@@ -326,7 +326,7 @@ async def test_an_ack_the_server_cannot_get_is_logged_not_raised(tmp_path):
     groups).  Now it is logged and the service goes on; the message is not lost: the server
     either redelivers it after ack_wait with its claim still readable, or got the ack the
     client kept in its buffer on reconnect and removed it."""
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     server = EmbeddedServer(tmp_path / "nats")
     await server.astart()

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from bus.protocol import ConsumerSpec, Delivery, DigestMismatch, ObjectNotFound
-from schemas import Rollout, RolloutGroup, Task, spans_from_versions
+from rlbus.bus.protocol import ConsumerSpec, Delivery, DigestMismatch, ObjectNotFound
+from rlbus.schemas import Rollout, RolloutGroup, Task, spans_from_versions
 from tests.integration.helpers import consuming, eventually, stream_messages
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

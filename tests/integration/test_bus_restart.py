@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from bus.protocol import Delivery
-from bus.server import EmbeddedServer
+from rlbus.bus.protocol import Delivery
+from rlbus.bus.server import EmbeddedServer
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import consuming, eventually, task_spec
 
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
 
 async def test_publisher_retries_across_a_server_restart_without_duplicates(tmp_path):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     server = EmbeddedServer(tmp_path / "nats")
     await server.astart()

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from bus.protocol import BusClosed, BusConfigError, ConsumerSpec, RequestFailed, StreamFull
-from bus.retention import Retention
-from bus.streams import WEIGHTS_PER_SUBJECT, declarations, ensure_consumer, ensure_streams
-from bus.subjects import Subjects
+from rlbus.bus.protocol import BusClosed, BusConfigError, ConsumerSpec, RequestFailed, StreamFull
+from rlbus.bus.retention import Retention
+from rlbus.bus.streams import WEIGHTS_PER_SUBJECT, declarations, ensure_consumer, ensure_streams
+from rlbus.bus.subjects import Subjects
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import dead_letters, task_spec
 
@@ -78,10 +78,10 @@ async def test_ensure_consumer_updates_tunables_in_place_and_refuses_changed_fil
 
 
 async def test_changing_the_trainers_run_config_keeps_its_durable_and_position(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
-    from services.runtime.config import RunSettings
-    from services.trainer.intake import consumer_spec
-    from services.trainer.settings import TrainerSettings
+    from rlbus.bus.jetstream import JetStreamBus
+    from rlbus.services.runtime.config import RunSettings
+    from rlbus.services.trainer.intake import consumer_spec
+    from rlbus.services.trainer.settings import TrainerSettings
 
     before = RunSettings(run=run_name, pools=["math"], batch_groups=4, max_staleness=1)
     after = RunSettings(run=run_name, pools=["math"], batch_groups=8, max_staleness=3)
@@ -103,7 +103,7 @@ async def test_changing_the_trainers_run_config_keeps_its_durable_and_position(n
 
 
 async def test_full_streams_refuse_with_a_clear_error_and_lose_nothing(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     limits = Retention(queue_max_msgs=3, dead_max_msgs=1, control_per_subject=2)
     b = await JetStreamBus.connect(nats_server.url, run_name, name="small", retention=limits,
@@ -193,7 +193,7 @@ async def test_streams_reports_consumer_state(bus):
 
 
 async def test_close_is_idempotent_and_final(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     b = await JetStreamBus.connect(nats_server.url, run_name, name="closer")
     await b.close()
@@ -203,15 +203,15 @@ async def test_close_is_idempotent_and_final(nats_server, run_name):
 
 
 async def test_connect_to_nothing_fails_fast_with_a_clear_error():
-    from bus.jetstream import JetStreamBus
-    from bus.protocol import BusError
+    from rlbus.bus.jetstream import JetStreamBus
+    from rlbus.bus.protocol import BusError
 
     with pytest.raises(BusError, match="cannot connect to NATS"):
         await JetStreamBus.connect("nats://127.0.0.1:1", "nobody", name="x", connect_timeout=1.0)
 
 
 async def test_a_full_object_bucket_refuses_a_put_and_keeps_what_it_has(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     b = await JetStreamBus.connect(nats_server.url, run_name, name="objects",
                                    retention=Retention(objects_max_bytes=3 * 1024 * 1024))

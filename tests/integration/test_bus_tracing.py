@@ -9,9 +9,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from bus.protocol import Delivery
-from observability import tracing
-from schemas import Task
+from rlbus.bus.protocol import Delivery
+from rlbus.observability import tracing
+from rlbus.schemas import Task
 from tests.integration.helpers import consuming, eventually, task_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
@@ -70,7 +70,7 @@ async def either_bus(request, bus):
     if request.param == "jetstream":
         yield bus
         return
-    from bus.memory import MemoryBus
+    from rlbus.bus.memory import MemoryBus
 
     mem = MemoryBus(bus.subjects.run)
     try:

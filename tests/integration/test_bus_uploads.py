@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from bus.protocol import ConsumerSpec, StreamFull
-from bus.retention import Retention
+from rlbus.bus.protocol import ConsumerSpec, StreamFull
+from rlbus.bus.retention import Retention
 
-# nats types through bus.streams: only bus/ imports nats (tests/unit/test_imports.py)
-from bus.streams import LEGACY_ADVISORY_DURABLE, NotFoundError, api
-from schemas import Shard, Task, WeightManifest
+# nats types through rlbus.bus.streams: only bus/ imports nats (tests/unit/test_imports.py)
+from rlbus.bus.streams import LEGACY_ADVISORY_DURABLE, NotFoundError, api
+from rlbus.schemas import Shard, Task, WeightManifest
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import broadcast_running, dead_letters, eventually, task_spec
 
@@ -33,7 +33,7 @@ async def messages(bus: Any, kind: str) -> int:
 
 
 async def test_a_full_uploads_queue_refuses_the_new_upload_and_keeps_the_queued_ones(nats_server, run_name):
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     b = await JetStreamBus.connect(nats_server.url, run_name, name="trainer", retention=Retention(queue_max_msgs=3),
                                    **dict(BUS_TEST_OPTIONS, publish_deadline=1.0))
@@ -100,7 +100,7 @@ async def _advisory_deliveries(bus: Any, kind: str, durable: str) -> int:
 async def test_an_advisory_reaches_only_the_connections_that_consume_its_durable(nats_server, run_name):
     """A connection that consumes ROLLOUTS never receives the advisory of a TASKS durable: it
     could not read that message under least privilege, only hand it back."""
-    from bus.jetstream import JetStreamBus
+    from rlbus.bus.jetstream import JetStreamBus
 
     gen = await JetStreamBus.connect(nats_server.url, run_name, name="gen", **BUS_TEST_OPTIONS)
     rew = await JetStreamBus.connect(nats_server.url, run_name, name="rew", **BUS_TEST_OPTIONS)
@@ -125,8 +125,8 @@ async def test_an_advisory_reaches_only_the_connections_that_consume_its_durable
 async def test_a_run_with_the_shared_advisory_durable_migrates_and_keeps_its_advisories(nats_server, run_name):
     """A run made before the split has one unfiltered advisory durable; the first per-durable
     declaration removes it, and an advisory it had not acked is still dead-lettered."""
-    from bus.jetstream import JetStreamBus
-    from bus.streams import ensure_streams
+    from rlbus.bus.jetstream import JetStreamBus
+    from rlbus.bus.streams import ensure_streams
 
     b = await JetStreamBus.connect(nats_server.url, run_name, name="old", **BUS_TEST_OPTIONS)
     try:

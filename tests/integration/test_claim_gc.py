@@ -1,5 +1,5 @@
 """The claim collector on a real server: claims of messages a limits stream dropped are deleted,
-claims any held message can still reference are kept (``bus.claims``)."""
+claims any held message can still reference are kept (``rlbus.bus.claims``)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from typing import Any
 
 import pytest
 
-from bus.claims import CLAIM_PREFIX, ClaimCollector, ClaimFloors
-from bus.jetstream import JetStreamBus
-from bus.protocol import ServerUnavailable
-from bus.retention import Retention
-from services.broadcast.service import Broadcaster, BroadcastService, ClaimSweeper
-from services.broadcast.settings import BroadcastSettings
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.runtime.weights import ObjectStoreTransport
+from rlbus.bus.claims import CLAIM_PREFIX, ClaimCollector, ClaimFloors
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.protocol import ServerUnavailable
+from rlbus.bus.retention import Retention
+from rlbus.services.broadcast.service import Broadcaster, BroadcastService, ClaimSweeper
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.runtime.weights import ObjectStoreTransport
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.helpers import eventually
 

@@ -2,7 +2,7 @@
 
 - Six services connecting together to a fresh cluster, whose nodes are still coming up, all
   declare the run's streams (JetStream drops or refuses API requests while it elects its meta
-  leader and while too few nodes have joined to place three replicas; ``bus.streams``).
+  leader and while too few nodes have joined to place three replicas; ``rlbus.bus.streams``).
 - The TASKS stream's leader is killed (SIGKILL, by its pid) while a producer publishes and a
   consumer takes tasks through the bus's own pull/ack path: every task is acked, none twice; the
   pause the failover caused is printed and recorded as a test property, not asserted.  Each
@@ -26,12 +26,12 @@ from typing import Any
 
 import pytest
 
-from bus.jetstream import JetStreamBus
-from bus.protocol import BusConfigError, Delivery
-from bus.retention import Retention
-from bus.server import EmbeddedServer, cluster_nodes
-from bus.subjects import STREAM_KINDS
-from schemas import Task
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.protocol import BusConfigError, Delivery
+from rlbus.bus.retention import Retention
+from rlbus.bus.server import EmbeddedServer, cluster_nodes
+from rlbus.bus.subjects import STREAM_KINDS
+from rlbus.schemas import Task
 from tests.integration.helpers import eventually, task_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

@@ -39,12 +39,12 @@ import numpy as np
 import pytest
 import torch
 
-from schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Task, spans_from_versions
-from services.trainer.batch import Assembler
-from services.trainer.distributed import backend_for, rank_slices
-from services.trainer.objective import ObjectiveConfig, policy_loss
-from services.trainer.settings import TrainerSettings
-from services.trainer.step import PackedSeq, pack
+from rlbus.schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Task, spans_from_versions
+from rlbus.services.trainer.batch import Assembler
+from rlbus.services.trainer.distributed import backend_for, rank_slices
+from rlbus.services.trainer.objective import ObjectiveConfig, policy_loss
+from rlbus.services.trainer.settings import TrainerSettings
+from rlbus.services.trainer.step import PackedSeq, pack
 
 REPO = Path(__file__).resolve().parents[2]
 ATOL, RTOL = 1e-6, 1e-5
@@ -57,8 +57,8 @@ TRAINER_VERSION, MAX_STALENESS = 2, 1
 def _build_model(out: Path) -> None:
     from transformers import Qwen2ForCausalLM
 
-    from services.policy.model_init import tiny_config
-    from services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.policy.model_init import tiny_config
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     torch.manual_seed(0)
@@ -119,11 +119,11 @@ def _pack(groups: list[ScoredGroup], cfg: TrainerSettings) -> list[PackedSeq]:
 
 def _job(model_dir: Path, out: Path) -> None:
     """Every rank: shard the policy; rank 0 trains the batches and writes what it ends with."""
-    from services.policy.load import load_policy
-    from services.policy.logprobs import LogprobInputError
-    from services.policy.upload import weights_bytes
-    from services.trainer import checkpoint
-    from services.trainer.distributed import ShardedPolicy
+    from rlbus.services.policy.load import load_policy
+    from rlbus.services.policy.logprobs import LogprobInputError
+    from rlbus.services.policy.upload import weights_bytes
+    from rlbus.services.trainer import checkpoint
+    from rlbus.services.trainer.distributed import ShardedPolicy
 
     torch.set_num_threads(1)
     cfg = TrainerSettings(**CFG)
@@ -163,8 +163,8 @@ def _job(model_dir: Path, out: Path) -> None:
 def test_two_ranks_make_the_single_process_update(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from services.policy.load import load_policy
-    from services.trainer.step import make_optimizer, train_step
+    from rlbus.services.policy.load import load_policy
+    from rlbus.services.trainer.step import make_optimizer, train_step
 
     model_dir, out = tmp_path / "model", tmp_path / "out"
     out.mkdir()
@@ -300,14 +300,14 @@ def test_distributed_setting_needs_torchrun_only_when_asked() -> None:
     assert backend_for("off", torchrun) is None
     assert backend_for("auto", torchrun) in ("gloo", "nccl")
     assert backend_for("gloo", torchrun) == "gloo"
-    from services.trainer.distributed import DistributedTrainerError
+    from rlbus.services.trainer.distributed import DistributedTrainerError
 
     with pytest.raises(DistributedTrainerError, match="torchrun"):
         backend_for("gloo", {})
 
 
 if __name__ == "__main__":
-    from services.trainer.distributed import leave_job
+    from rlbus.services.trainer.distributed import leave_job
 
     _job(Path(sys.argv[1]), Path(sys.argv[2]))
     leave_job(0)  # as `rlbus serve` ends a rank

@@ -16,15 +16,15 @@ from typing import Any
 
 import pytest
 
-from bus.jetstream import JetStreamBus
-from bus.protocol import RequestFailed
-from bus.subjects import Subjects
-from schemas import EnvReply, EnvStep, EpisodeLimits, Task
-from services.environment import service as env_service
-from services.environment.settings import EnvironmentSettings
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.sandbox import SandboxLimits, SandboxSettings, probe
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.protocol import RequestFailed
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import EnvReply, EnvStep, EpisodeLimits, Task
+from rlbus.services.environment import service as env_service
+from rlbus.services.environment.settings import EnvironmentSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.sandbox import SandboxLimits, SandboxSettings, probe
 from tests.conftest import BUS_TEST_OPTIONS
 from tests.integration.sandbox_cases import (
     CPU_LOOP,
@@ -53,7 +53,7 @@ UID_BASE = 61500 + 32 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removep
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A policy folder as far as the environment is concerned: the character tokenizer."""
-    from services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
 
     folder = tmp_path_factory.mktemp("policy")
     build_char_tokenizer().save_pretrained(folder)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from bus.memory import MemoryBus
-from bus.protocol import BusConfigError, ConsumerSpec, Delivery, DigestMismatch, ObjectNotFound
-from schemas import DeadLetter, Task
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import BusConfigError, ConsumerSpec, Delivery, DigestMismatch, ObjectNotFound
+from rlbus.schemas import DeadLetter, Task
 
 pytestmark = pytest.mark.asyncio
 

@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from observability.metrics import HeartbeatCollector
-from schemas import Heartbeat
-from services.controller.settings import ControllerSettings
-from services.reward.settings import RewardSettings
+from rlbus.observability.metrics import HeartbeatCollector
+from rlbus.schemas import Heartbeat
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.reward.settings import RewardSettings
 from tests.e2e.harness import Pipeline, wait_heartbeat
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
@@ -140,7 +140,7 @@ _FILL = {"pool": "math", "generator": "gen-0", "outcome": "train", "versions": "
 
 def heartbeats_of_every_mapped_key(seq: int) -> list[Heartbeat]:
     """One heartbeat per service holding each key it maps, placeholders filled, counters at ``seq``."""
-    from observability.metrics import MAPPED
+    from rlbus.observability.metrics import MAPPED
 
     metrics: dict[str, dict[str, float]] = {}
     for m in MAPPED:
@@ -169,7 +169,7 @@ def _query(port: int, expr: str) -> dict[str, Any]:
 
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="the Prometheus server is not installed")
 async def test_every_dashboard_query_parses_and_finds_data_on_a_real_prometheus(tmp_path: Path) -> None:
-    from observability.metrics import MetricsEndpoint
+    from rlbus.observability.metrics import MetricsEndpoint
 
     endpoint = MetricsEndpoint(_free_port(), run=RUN, addr="127.0.0.1")
     endpoint.start()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.protocol import ConsumerSpec, Delivery
+from rlbus.bus.protocol import ConsumerSpec, Delivery
 from tests.integration.helpers import consuming, dead_letters
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from bus import BadObjectName, BusError
-from bus.protocol import MAX_OBJECT_NAME_BYTES as MAX_NAME_BYTES
-from bus.protocol import ObjectNotFound
+from rlbus.bus import BadObjectName, BusError
+from rlbus.bus.protocol import MAX_OBJECT_NAME_BYTES as MAX_NAME_BYTES
+from rlbus.bus.protocol import ObjectNotFound
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
 
@@ -55,7 +55,7 @@ async def test_a_valid_upload_outlives_a_burst_of_forged_ones_and_is_published(b
     on its first delivery, and the valid one is published."""
     import hashlib
 
-    from schemas import DeadLetter, Shard, WeightManifest
+    from rlbus.schemas import DeadLetter, Shard, WeightManifest
     from tests.integration.helpers import broadcast_running, dead_letters, eventually
 
     s = bus.subjects

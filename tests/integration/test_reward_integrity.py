@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from services.sandbox import Sandbox, SandboxSettings, probe
-from services.sandbox.checker import CHECK_LIMITS, HiddenTest, HiddenTestChecker
+from rlbus.services.sandbox import Sandbox, SandboxSettings, probe
+from rlbus.services.sandbox.checker import CHECK_LIMITS, HiddenTest, HiddenTestChecker
 
 ISO = probe()
 pytestmark = pytest.mark.skipif(not (ISO.bwrap and ISO.separate_uid),
@@ -118,9 +118,9 @@ async def test_the_reward_service_scores_code_tests_and_records_tampering():
 
     import numpy as np
 
-    from schemas import Rollout, RolloutGroup, Task, spans_from_versions
-    from services.reward.service import Scorer
-    from services.reward.settings import RewardSettings
+    from rlbus.schemas import Rollout, RolloutGroup, Task, spans_from_versions
+    from rlbus.services.reward.service import Scorer
+    from rlbus.services.reward.settings import RewardSettings
 
     base = 61300 + 32 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0) + 16
     hidden = json.dumps([{"fn": t.fn, "args": list(t.args), "expect": t.expect, "raises": t.raises} for t in TESTS])

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from services.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSettings, probe
-from services.sandbox.sandbox import UidLeases, uid_processes
+from rlbus.services.sandbox import Sandbox, SandboxError, SandboxLimits, SandboxSettings, probe
+from rlbus.services.sandbox.sandbox import UidLeases, uid_processes
 from tests.integration.sandbox_cases import (
     CPU_LOOP,
     FORK_BOMB,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bus.server import EmbeddedServer, ServerError
+from rlbus.bus.server import EmbeddedServer, ServerError
 
 pytestmark = pytest.mark.integration
 

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 import torch
 
-from bus.protocol import ConsumerSpec
-from bus.subjects import draft_model_name
-from schemas import ScoredGroup, WeightManifest
-from services.policy.draft_model import build_draft, save_draft
-from services.policy.tokenizer import build_char_tokenizer
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.speculator.service import SpeculatorService
-from services.speculator.settings import SpeculatorSettings
+from rlbus.bus.protocol import ConsumerSpec
+from rlbus.bus.subjects import draft_model_name
+from rlbus.schemas import ScoredGroup, WeightManifest
+from rlbus.services.policy.draft_model import build_draft, save_draft
+from rlbus.services.policy.tokenizer import build_char_tokenizer
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.speculator.service import SpeculatorService
+from rlbus.services.speculator.settings import SpeculatorSettings
 from tests.integration.helpers import broadcast_running, dead_letters, eventually
 from tests.running import workers_running
 from tests.unit.conftest import fresh_model

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.jetstream import JetStreamBus
-from bus.server import EmbeddedServer
-from services.up.procs import Children
-from services.up.tomlw import dumps
+from rlbus.bus.jetstream import JetStreamBus
+from rlbus.bus.server import EmbeddedServer
+from rlbus.services.up.procs import Children
+from rlbus.services.up.tomlw import dumps
 from tests.e2e.harness import wait_heartbeat
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio]
@@ -73,7 +73,7 @@ async def test_what_a_service_reads_before_it_starts_waits_out_a_server_lost_aft
     waited for (like a publish waits) instead of ending the service with ServerUnavailable."""
     import asyncio
 
-    from schemas import Task
+    from rlbus.schemas import Task
     from tests.conftest import BUS_TEST_OPTIONS
     from tests.integration.helpers import task_spec
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from services.policy.model_init import tiny_config
-from services.policy.tokenizer import build_char_tokenizer
+from rlbus.services.policy.model_init import tiny_config
+from rlbus.services.policy.tokenizer import build_char_tokenizer
 
 
 def fresh_model(tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> Qwen2ForCausalLM:

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas import Rollout, ScoredGroup, ScoredRollout, Task, spans_from_versions
-from services.trainer.batch import Assembler, ready_to_ack
+from rlbus.schemas import Rollout, ScoredGroup, ScoredRollout, Task, spans_from_versions
+from rlbus.services.trainer.batch import Assembler, ready_to_ack
 
 PROMPT = [1, 5, 6, 7, 14, 8, 9, 10, 17]
 
@@ -176,7 +176,7 @@ def test_generator_ids_off_the_wire_cannot_blow_up_the_trainers_heartbeat(monkey
     """Each reported generator id becomes metric names: one that is no subject token, or one past
     the cap of distinct ids, is counted per pool only (a 3,000-character id from the fuzz test
     made the trainer's heartbeat unbuildable and killed it)."""
-    import services.trainer.batch as batch
+    import rlbus.services.trainer.batch as batch
 
     monkeypatch.setattr(batch, "MAX_GENERATORS", 2)
     a = Assembler(batch_groups=8, max_staleness=0)
@@ -255,7 +255,7 @@ def test_staleness_boundary_is_inclusive(max_staleness):
 def test_a_ledger_only_save_adds_dropped_groups_and_never_runs_ahead_of_the_model(tmp_path):
     import torch
 
-    from services.trainer import checkpoint
+    from rlbus.services.trainer import checkpoint
 
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.AdamW(model.parameters())
@@ -275,7 +275,7 @@ def test_a_ledger_only_save_adds_dropped_groups_and_never_runs_ahead_of_the_mode
 def test_a_ledger_only_save_with_no_checkpoint_writes_a_full_one(tmp_path):
     import torch
 
-    from services.trainer import checkpoint
+    from rlbus.services.trainer import checkpoint
 
     model = torch.nn.Linear(2, 2)
     state = checkpoint.TrainerState(step=1, version=1, consumed={"a": "train", "c": "stale"})

@@ -14,15 +14,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bus.memory import MemoryBus
-from bus.protocol import ServerUnavailable
-from schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
-from schemas.metric_keys import DraftKeys
-from services.broadcast.service import Broadcaster, BroadcastService
-from services.broadcast.settings import BroadcastSettings
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.runtime.weights import ObjectStoreTransport
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import ServerUnavailable
+from rlbus.schemas import Control, Evaluate, Heartbeat, SchemaError, Shard, WeightManifest
+from rlbus.schemas.metric_keys import DraftKeys
+from rlbus.services.broadcast.service import Broadcaster, BroadcastService
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.runtime.weights import ObjectStoreTransport
 from tests.running import workers_running
 
 RUN = "r"

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from pydantic import Field, ValidationError
 
-from services.broadcast.settings import BroadcastSettings
-from services.controller.divergence import DivergenceConfig
-from services.controller.settings import ControllerSettings
-from services.environment.settings import EnvironmentSettings
-from services.generator.settings import ChatEndpointOptions, GeneratorSettings, SpeculativeOptions
-from services.reward.settings import RewardSettings
-from services.runtime.config import (
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.controller.divergence import DivergenceConfig
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.environment.settings import EnvironmentSettings
+from rlbus.services.generator.settings import ChatEndpointOptions, GeneratorSettings, SpeculativeOptions
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.runtime.config import (
     ConfigError,
     RetentionSettings,
     RunSettings,
@@ -27,11 +27,11 @@ from services.runtime.config import (
     load_section,
     read_toml,
 )
-from services.speculator.settings import SpeculatorSettings
-from services.trainer.advantages import AdvantageConfig
-from services.trainer.objective import ObjectiveConfig
-from services.trainer.settings import TrainerSettings
-from services.up.settings import UpSettings
+from rlbus.services.speculator.settings import SpeculatorSettings
+from rlbus.services.trainer.advantages import AdvantageConfig
+from rlbus.services.trainer.objective import ObjectiveConfig
+from rlbus.services.trainer.settings import TrainerSettings
+from rlbus.services.up.settings import UpSettings
 
 # Settings classes and the nested tables inside them ([trainer.objective] …).
 FROZEN_KEYS: dict[type, list[str]] = {
@@ -260,7 +260,7 @@ def test_nats_url_takes_the_members_of_a_cluster_and_names_a_bad_one(monkeypatch
     # The compose file's value, as its environment variable carries it.
     monkeypatch.setenv("RLBUS_RUN__NATS_URL", '"nats://nats-1:4222,nats://nats-2:4222,nats://nats-3:4222"')
     run, _ = load(None, RewardSettings, "reward")
-    from bus.urls import server_urls
+    from rlbus.bus.urls import server_urls
 
     assert server_urls(run.nats_url) == ["nats://nats-1:4222", "nats://nats-2:4222", "nats://nats-3:4222"]
     monkeypatch.setenv("RLBUS_RUN__NATS_URL", '"nats://nats-1:4222,nats-2:4222"')

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench.controller_sim import Scenario, compare
-from schemas.metric_keys import STALE_HELD
-from services.controller.balance import BalanceState, wilson_upper
-from services.controller.law import (
+from rlbus.schemas.metric_keys import STALE_HELD
+from rlbus.services.controller.balance import BalanceState, wilson_upper
+from rlbus.services.controller.law import (
     GeneratorView,
     Speed,
     TrainerView,

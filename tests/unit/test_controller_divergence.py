@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from bus.memory import MemoryBus
-from schemas import Control, Divergence, Heartbeat, Rollout, ScoredGroup, ScoredRollout, Task, spans_from_versions
-from schemas.metric_keys import TrainerKeys
-from services.commands.status import build_snapshot
-from services.controller.divergence import DivergenceConfig, DivergenceMonitor, HeldOutReading, HeldOutRounds
-from services.controller.service import Controller, EvalSchedule
-from services.controller.settings import ControllerSettings
-from services.runtime.config import ConfigError, RunSettings, load
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.memory import MemoryBus
+from rlbus.schemas import Control, Divergence, Heartbeat, Rollout, ScoredGroup, ScoredRollout, Task, spans_from_versions
+from rlbus.schemas.metric_keys import TrainerKeys
+from rlbus.services.commands.status import build_snapshot
+from rlbus.services.controller.divergence import DivergenceConfig, DivergenceMonitor, HeldOutReading, HeldOutRounds
+from rlbus.services.controller.service import Controller, EvalSchedule
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.runtime.config import ConfigError, RunSettings, load
+from rlbus.services.runtime.lifecycle import Lifecycle
 from tests.unit.test_controller_service import decisions, eventually, running
 
 RUN = "r"

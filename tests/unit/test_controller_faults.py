@@ -24,14 +24,14 @@ from typing import Any
 import msgpack
 import pytest
 
-from schemas import Admit, Control, Heartbeat, RunState, SchemaError
-from schemas.control import MAX_INFO_STR, Stall
-from schemas.metric_keys import OUTCOMES, GeneratorKeys, TrainerKeys
-from services.commands.control import send_state
-from services.commands.status import build_snapshot, render
-from services.controller.planner import Planner
-from services.controller.settings import ControllerSettings
-from services.controller.stall import StallWatch
+from rlbus.schemas import Admit, Control, Heartbeat, RunState, SchemaError
+from rlbus.schemas.control import MAX_INFO_STR, Stall
+from rlbus.schemas.metric_keys import OUTCOMES, GeneratorKeys, TrainerKeys
+from rlbus.services.commands.control import send_state
+from rlbus.services.commands.status import build_snapshot, render
+from rlbus.services.controller.planner import Planner
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.controller.stall import StallWatch
 from tests.unit.test_controller_faults_loop import GEN, Loop, eventually
 
 G, T = GeneratorKeys, TrainerKeys

@@ -23,14 +23,14 @@ import msgpack
 import pytest
 from pydantic import ValidationError
 
-from schemas import Admit, Control, Heartbeat, SchemaError
-from schemas.control import MAX_METRICS
-from schemas.metric_keys import OUTCOMES, STALE_HELD, GeneratorKeys, TrainerKeys
-from services.controller import planner as planner_module
-from services.controller import state as state_module
-from services.controller.planner import Planner
-from services.controller.settings import ControllerSettings
-from services.controller.stall import StallWatch
+from rlbus.schemas import Admit, Control, Heartbeat, SchemaError
+from rlbus.schemas.control import MAX_METRICS
+from rlbus.schemas.metric_keys import OUTCOMES, STALE_HELD, GeneratorKeys, TrainerKeys
+from rlbus.services.controller import planner as planner_module
+from rlbus.services.controller import state as state_module
+from rlbus.services.controller.planner import Planner
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.controller.stall import StallWatch
 from tests.unit.test_controller_faults_loop import Loop, eventually
 
 G, T = GeneratorKeys, TrainerKeys

@@ -14,16 +14,16 @@ from typing import Any
 
 import numpy as np
 
-from bus.memory import MemoryBus
-from schemas import Control, EnvReply, EnvReplyBatch, EnvResetBatch, Heartbeat, SchemaError, Task
-from schemas.metric_keys import TrainerKeys
-from services.controller.service import Controller, EvalSchedule
-from services.controller.settings import ControllerSettings
-from services.generator import service as generator_service
-from services.generator.settings import GeneratorSettings
-from services.runtime.config import RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.bus.memory import MemoryBus
+from rlbus.schemas import Control, EnvReply, EnvReplyBatch, EnvResetBatch, Heartbeat, SchemaError, Task
+from rlbus.schemas.metric_keys import TrainerKeys
+from rlbus.services.controller.service import Controller, EvalSchedule
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.generator import service as generator_service
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
 
 RUN = "faults"
 GEN = "gen-0"

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.controller.law import GeneratorView, TrainerView, allowed_started, eval_due, plan_admission
+from rlbus.services.controller.law import GeneratorView, TrainerView, allowed_started, eval_due, plan_admission
 
 SILENT_AFTER = 2.5
 
@@ -204,7 +204,7 @@ def test_eval_due(version, last, every, due):
 
 
 def test_routing_shares_make_two_generators_produce_any_mix():
-    from services.controller.law import assign_routes
+    from rlbus.services.controller.law import assign_routes
 
     gens = [GeneratorView(f"g{i}", "b", rate=2.0) for i in range(2)]
     plan = assign_routes(gens, {"a": 0.2, "b": 0.8}, {}, {})
@@ -218,7 +218,7 @@ def test_routing_shares_make_two_generators_produce_any_mix():
 
 
 def test_routing_makes_up_a_trained_mix_deficit():
-    from services.controller.law import assign_routes
+    from rlbus.services.controller.law import assign_routes
 
     gens = [GeneratorView(f"g{i}", "b", rate=1.0) for i in range(2)]
     behind = assign_routes(gens, {"a": 0.5, "b": 0.5}, {"a": 10, "b": 90}, {}, catch_up_groups=100)
@@ -226,7 +226,7 @@ def test_routing_makes_up_a_trained_mix_deficit():
 
 
 def test_concurrency_follows_relative_latency_and_ignores_unmeasured():
-    from services.controller.law import plan_concurrency
+    from rlbus.services.controller.law import plan_concurrency
 
     caps = plan_concurrency({"fast": 0.2, "slow": 2.0, "new": math.nan}, max_groups=8)
     assert caps["fast"][0] == 8 and caps["new"][0] == 8
@@ -239,7 +239,7 @@ def test_concurrency_follows_relative_latency_and_ignores_unmeasured():
 
 
 def test_a_draining_generator_gets_nothing_and_its_unstarted_grant_is_replanned():
-    from services.controller.law import plan_balanced
+    from rlbus.services.controller.law import plan_balanced
 
     gens = [GeneratorView("g0", "b", started=4, granted=10, last_seen=0.0),
             GeneratorView("g1", "b", started=0, granted=0, last_seen=0.0)]
@@ -252,7 +252,7 @@ def test_a_draining_generator_gets_nothing_and_its_unstarted_grant_is_replanned(
 
 
 def test_pause_decision():
-    from services.controller.law import pause_decision
+    from rlbus.services.controller.law import pause_decision
 
     assert pause_decision(TrainerView(done=True, version=7), seen=True)[0] is True
     assert "version 7" in pause_decision(TrainerView(done=True, version=7), seen=True)[1]
@@ -261,7 +261,7 @@ def test_pause_decision():
 
 
 def test_a_generator_that_slowed_gives_back_its_queue_only_once_it_reports_the_drop():
-    from services.controller.law import Speed, plan_balanced
+    from rlbus.services.controller.law import Speed, plan_balanced
 
     slow = GeneratorView("slow", "b", started=10, granted=24, published=9, reported_grant=24, last_seen=0.0)
     fast = GeneratorView("fast", "b", started=10, granted=10, published=10, reported_grant=10, last_seen=0.0)

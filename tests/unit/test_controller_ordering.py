@@ -13,12 +13,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from bus.memory import MemoryBus
-from schemas import Admit, Control, DecisionClock, Heartbeat, RunState
-from schemas.metric_keys import GeneratorKeys, TrainerKeys
-from services.commands.control import send_state
-from services.controller.planner import Planner
-from services.controller.settings import ControllerSettings
+from rlbus.bus.memory import MemoryBus
+from rlbus.schemas import Admit, Control, DecisionClock, Heartbeat, RunState
+from rlbus.schemas.metric_keys import GeneratorKeys, TrainerKeys
+from rlbus.services.commands.control import send_state
+from rlbus.services.controller.planner import Planner
+from rlbus.services.controller.settings import ControllerSettings
 
 # The controller starts now (the old rule took its start time from the wall clock); the scenarios
 # then run on simulated time from here.

@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from schemas import Admit, AssignPools, Concurrency, Control, Decision, Heartbeat, RunState, SetMix
-from schemas.metric_keys import GeneratorKeys, TrainerKeys
-from services.controller.planner import MixError, Planner
-from services.controller.settings import ControllerSettings
-from services.controller.state import ControllerState, trainer_outcomes
-from services.generator.core import Generator
-from services.generator.settings import GeneratorSettings
+from rlbus.schemas import Admit, AssignPools, Concurrency, Control, Decision, Heartbeat, RunState, SetMix
+from rlbus.schemas.metric_keys import GeneratorKeys, TrainerKeys
+from rlbus.services.controller.planner import MixError, Planner
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.controller.state import ControllerState, trainer_outcomes
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.settings import GeneratorSettings
 
 
 class FakeBackend:
@@ -292,8 +292,8 @@ def test_a_slow_generator_gets_a_lower_concurrency():
 
 
 async def test_an_operator_mix_request_reaches_the_controller_as_a_recorded_decision():
-    from bus.memory import MemoryBus
-    from services.commands.control import parse_mix, send_mix, send_state
+    from rlbus.bus.memory import MemoryBus
+    from rlbus.services.commands.control import parse_mix, send_mix, send_state
 
     bus = MemoryBus("r")
     sent = await send_mix(bus, parse_mix(["a=1", "b=3"]), reason="more of b")

@@ -10,15 +10,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from bus.memory import MemoryBus
-from schemas import Admit, Control, Evaluate, Heartbeat, RunState, SchemaError, SetMix, Task
-from schemas.metric_keys import GeneratorKeys, TrainerKeys
-from services.broadcast.service import Broadcaster, BroadcastService
-from services.broadcast.settings import BroadcastSettings
-from services.controller.service import Controller, EvalSchedule
-from services.controller.settings import ControllerSettings
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.bus.memory import MemoryBus
+from rlbus.schemas import Admit, Control, Evaluate, Heartbeat, RunState, SchemaError, SetMix, Task
+from rlbus.schemas.metric_keys import GeneratorKeys, TrainerKeys
+from rlbus.services.broadcast.service import Broadcaster, BroadcastService
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.controller.service import Controller, EvalSchedule
+from rlbus.services.controller.settings import ControllerSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
 
 RUN = "r"
 

@@ -10,8 +10,8 @@ import re
 import subprocess
 from pathlib import Path
 
-from bus.server import find_nats_server
-from services.runtime.config import RunSettings, load_section, read_toml
+from rlbus.bus.server import find_nats_server
+from rlbus.services.runtime.config import RunSettings, load_section, read_toml
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

@@ -22,17 +22,17 @@ import torch
 from safetensors.torch import save as save_safetensors
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from services.generator.settings import GeneratorSettings
-from services.policy.distill import DistillInputError, DraftDistiller, PolicySample
-from services.policy.draft_model import DraftModelError, build_draft, load_draft, save_draft
-from services.policy.draft_round import RoundDrafts
-from services.policy.drafters import RecentCompletions
-from services.policy.load import load_policy
-from services.policy.logprobs import completion_logprobs
-from services.policy.model_init import tiny_config
-from services.policy.sampler import GroupSampler, StaticSlot
-from services.policy.sampling import SamplingParams
-from services.policy.spec_tail import (
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.policy.distill import DistillInputError, DraftDistiller, PolicySample
+from rlbus.services.policy.draft_model import DraftModelError, build_draft, load_draft, save_draft
+from rlbus.services.policy.draft_round import RoundDrafts
+from rlbus.services.policy.drafters import RecentCompletions
+from rlbus.services.policy.load import load_policy
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.model_init import tiny_config
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.spec_tail import (
     FixedDraftLength,
     Speculation,
     SpeculationConfig,
@@ -40,10 +40,10 @@ from services.policy.spec_tail import (
     TailDecoder,
     TailStats,
 )
-from services.policy.tokenizer import encode_prompt
-from services.policy.weight_slot import WeightSlot
-from services.runtime.config import ConfigError, load_section
-from services.tasks.addition import make_split
+from rlbus.services.policy.tokenizer import encode_prompt
+from rlbus.services.policy.weight_slot import WeightSlot
+from rlbus.services.runtime.config import ConfigError, load_section
+from rlbus.services.tasks.addition import make_split
 from tests.unit.stats import same_distribution_p
 
 PROMPTS = ("123+456=", "7+95=", "400+600=", "58+67=")
@@ -247,7 +247,7 @@ def test_a_draft_version_staged_mid_call_is_swapped_in_between_target_forwards(p
 
 
 def test_backend_builds_the_draft_from_settings(tiny_model: Path, draft_dir: Path) -> None:
-    from services.generator.torch_backend import TorchBackend
+    from rlbus.services.generator.torch_backend import TorchBackend
 
     backend = TorchBackend(str(tiny_model), speculative={"drafter": "model", "tail_rows": 4, "max_k": 4,
                                                          "draft_model_path": str(draft_dir)})
@@ -366,7 +366,7 @@ def test_a_draft_equal_to_the_policy_has_every_draft_kept(policy) -> None:
 
 
 def test_draft_length_counts_the_drafting_cost() -> None:
-    from services.policy.spec_tail import DraftLength
+    from rlbus.services.policy.spec_tail import DraftLength
 
     free, costly = DraftLength(max_k=4), DraftLength(max_k=4)
     for length, draft_s in ((free, 0.0001), (costly, 0.01)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.policy.drafters import DrafterConfigError, GroupDrafter, RecentCompletions
+from rlbus.services.policy.drafters import DrafterConfigError, GroupDrafter, RecentCompletions
 
 
 def test_a_row_is_offered_the_continuation_its_sibling_took() -> None:

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from services.policy.episodes import EpisodeEngine, EpisodeEngineError, EpisodeInputError, Turn
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampler import GroupSampler, StaticSlot
-from services.policy.sampling import SamplingParams
-from services.policy.tokenizer import encode_prompt
+from rlbus.services.policy.episodes import EpisodeEngine, EpisodeEngineError, EpisodeInputError, Turn
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.tokenizer import encode_prompt
 from tests.unit.conftest import fresh_model
 
 torch.set_num_threads(1)
@@ -80,8 +80,8 @@ def test_one_turn_matches_the_recompute_and_a_prompts_rows_share_one_prefill(mod
 
 @pytest.mark.slow  # the warm-started tiny model: a 90-second build on a fresh checkout
 def test_greedy_turns_equal_the_group_samplers(tiny_model: Path) -> None:
-    from services.policy.load import load_policy
-    from services.tasks.addition import make_split
+    from rlbus.services.policy.load import load_policy
+    from rlbus.services.tasks.addition import make_split
 
     trained, tok = load_policy(tiny_model)
     prompts = [encode_prompt(tok, t.prompt) for t in make_split("heldout", 8, seed=5)]
@@ -179,7 +179,7 @@ def test_a_final_turn_keeps_no_cache_and_a_later_turn_rebuilds_it(model, tokeniz
 
 
 def test_rows_survive_a_failed_run(model, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    from services.policy import episodes
+    from rlbus.services.policy import episodes
 
     engine = EpisodeEngine(StaticSlot(model))
     prompt = encode_prompt(tokenizer, "6+7=")
@@ -338,7 +338,7 @@ def test_context_limits_bad_input_and_closing(model, tokenizer) -> None:  # type
 def test_the_torch_backend_engine_follows_staged_weights_and_reports_its_prefill(tiny_model: Path) -> None:
     from safetensors.torch import save as save_safetensors
 
-    from services.generator.torch_backend import TorchBackend
+    from rlbus.services.generator.torch_backend import TorchBackend
 
     backend = TorchBackend(str(tiny_model))
     engine = backend.episodes()

@@ -11,23 +11,23 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from schemas import EnvReply, EnvReset, EnvStep, EpisodeLimits, Rollout, ScoredGroup, Task, spans_from_versions
-from services.environment.envs import ENVIRONMENTS, CalculatorEnv, EnvError, Turn
-from services.environment.episodes import EpisodeError, EpisodeHost, Episodes
-from services.reward.service import Scorer
-from services.reward.settings import RewardSettings
-from services.reward.verifiers import CalculatorVerifier, hidden_tests
-from services.runtime.tokens import TextCodec
-from services.tasks.calculator import CalcError, evaluate, final_answer, find_call, observation, render_prompt
-from services.tasks.code import CodeFormatError, code_blocks, submission
-from services.trainer.batch import Assembler
+from rlbus.schemas import EnvReply, EnvReset, EnvStep, EpisodeLimits, Rollout, ScoredGroup, Task, spans_from_versions
+from rlbus.services.environment.envs import ENVIRONMENTS, CalculatorEnv, EnvError, Turn
+from rlbus.services.environment.episodes import EpisodeError, EpisodeHost, Episodes
+from rlbus.services.reward.service import Scorer
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.reward.verifiers import CalculatorVerifier, hidden_tests
+from rlbus.services.runtime.tokens import TextCodec
+from rlbus.services.tasks.calculator import CalcError, evaluate, final_answer, find_call, observation, render_prompt
+from rlbus.services.tasks.code import CodeFormatError, code_blocks, submission
+from rlbus.services.trainer.batch import Assembler
 
 TERMS = [123, 456, 789, 101]  # sum 1469
 
 
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory) -> TextCodec:
-    from services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     build_char_tokenizer().save_pretrained(folder)
@@ -90,7 +90,7 @@ def test_observation_and_final_answer_format():
 
 
 def test_calculator_tasks_split_by_their_terms_and_repeat_under_a_seed():
-    from services.tasks.calculator import make_split, split_of
+    from rlbus.services.tasks.calculator import make_split, split_of
 
     train, held = make_split("train", 200, seed=1), make_split("heldout", 50, seed=1)
     assert train == make_split("train", 200, seed=1) and train != make_split("train", 200, seed=2)
@@ -138,7 +138,7 @@ def test_calculator_scores_the_final_answer_not_a_tool_output(segments, turns, r
 
 
 async def test_an_environment_failure_is_excluded_never_scored_zero():
-    from schemas import RolloutGroup
+    from rlbus.schemas import RolloutGroup
 
     ok = episode_rollout([CALL, OBS, ("1469", 1)], 2)
     broken = episode_rollout([CALL], 1, env_error="the environment failed: OSError: sandbox gone")
@@ -323,8 +323,8 @@ async def test_steps_go_in_order_and_a_repeat_gets_the_same_reply(codec):
 
 
 async def test_server_answers_unknown_episodes_and_full_replicas_with_errors(codec):
-    from services.environment.service import EnvironmentServer
-    from services.environment.settings import EnvironmentSettings
+    from rlbus.services.environment.service import EnvironmentServer
+    from rlbus.services.environment.settings import EnvironmentSettings
 
     server = EnvironmentServer(codec, EnvironmentSettings(instance="env-3", max_episodes=1))
     ok = EnvReply.decode(await server.handle_step(step(1, "calc(1+2)", episode="a").encode()))
@@ -356,13 +356,13 @@ async def test_the_service_routes_an_episode_on_the_in_memory_bus(tmp_path, code
     turn 2 on the replica's own subject."""
     import asyncio
 
-    from bus.memory import MemoryBus
-    from bus.protocol import RequestFailed
-    from services.environment import service as env_service
-    from services.environment.settings import EnvironmentSettings
-    from services.policy.tokenizer import build_char_tokenizer
-    from services.runtime.config import RunSettings
-    from services.runtime.lifecycle import Lifecycle
+    from rlbus.bus.memory import MemoryBus
+    from rlbus.bus.protocol import RequestFailed
+    from rlbus.services.environment import service as env_service
+    from rlbus.services.environment.settings import EnvironmentSettings
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.runtime.config import RunSettings
+    from rlbus.services.runtime.lifecycle import Lifecycle
 
     build_char_tokenizer().save_pretrained(tmp_path / "policy")
     bus, life = MemoryBus("demo"), Lifecycle(grace=1.0)

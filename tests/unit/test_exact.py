@@ -10,15 +10,15 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from services.policy.exact import (
+from rlbus.services.policy.exact import (
     DETERMINISTIC_SHAPES,
     FixedShapes,
     FixedShapesError,
     fixed_shape_logprobs,
     shared_prompt_logprobs,
 )
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampling import SamplingParams
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampling import SamplingParams
 
 PARAMS = SamplingParams(temperature=1.0)
 

@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2ForCausalLM
 
-from services.policy.exact import MIN_ROWS
-from services.policy.exact_attention import DECODE_EXACT_KEYS, KEY_BLOCK, MIN_QUERY, exact_attention
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampler import GroupSampler, SampleOut, StaticSlot
-from services.policy.sampling import SamplingParams
+from rlbus.services.policy.exact import MIN_ROWS
+from rlbus.services.policy.exact_attention import DECODE_EXACT_KEYS, KEY_BLOCK, MIN_QUERY, exact_attention
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampler import GroupSampler, SampleOut, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
 
 torch.set_num_threads(1)
 

@@ -15,16 +15,16 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from schemas import Control, Evaluate, RunState, SamplingParams, Shard, Task, WeightManifest
-from services.broadcast.service import Broadcaster
-from services.broadcast.settings import BroadcastSettings
-from services.generator.backend import cut_at_stop
-from services.generator.core import Generator
-from services.generator.settings import GeneratorSettings
-from services.generator.torch_backend import TorchBackend
-from services.policy.sampler import SampleOut
-from services.policy.tokenizer import encode_prompt
-from services.tasks.addition import make_split
+from rlbus.schemas import Control, Evaluate, RunState, SamplingParams, Shard, Task, WeightManifest
+from rlbus.services.broadcast.service import Broadcaster
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.generator.backend import cut_at_stop
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.torch_backend import TorchBackend
+from rlbus.services.policy.sampler import SampleOut
+from rlbus.services.policy.tokenizer import encode_prompt
+from rlbus.services.tasks.addition import make_split
 
 torch.set_num_threads(1)
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=6)

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.subjects import Subjects
-from schemas import Admit, AssignPools, Concurrency, Control, Decision, Evaluate, RunState, SetMix
-from services.generator.control import ControlFollower
-from services.generator.core import Generator
-from services.generator.settings import GeneratorSettings
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import Admit, AssignPools, Concurrency, Control, Decision, Evaluate, RunState, SetMix
+from rlbus.services.generator.control import ControlFollower
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.settings import GeneratorSettings
 
 
 class FakeBackend:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from schemas import EnvReply, EnvReplyBatch, EnvResetBatch, EnvStep, EpisodeLimits, SamplingParams, Task
+from rlbus.schemas import EnvReply, EnvReplyBatch, EnvResetBatch, EnvStep, EpisodeLimits, SamplingParams, Task
 from tests.unit.test_generator_intake import RUN, FakeBackend, Harness, eventually
 
 PROMPT = [1, 2, 3]
@@ -30,7 +30,7 @@ TURN = [5, 6]
 
 @dataclass
 class Turn:
-    """One finished turn, as the engine returns it (``services.policy.episodes.Turn``'s fields)."""
+    """One finished turn, as the engine returns it (``rlbus.services.policy.episodes.Turn``'s fields)."""
 
     ids: list[int]
     logprobs: np.ndarray
@@ -307,7 +307,7 @@ class SampledTurnsBackend(FakeBackend):
         return super().sample(prompts, n, sampling, stop_ids, seed)
 
     def episodes(self) -> Any:
-        from services.generator.turns import SampledTurns
+        from rlbus.services.generator.turns import SampledTurns
 
         if not hasattr(self, "_turns"):
             self._turns = SampledTurns(self)
@@ -381,7 +381,7 @@ async def test_groups_that_finish_in_one_engine_run_settle_in_one_publish(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # One-turn episodes end a whole wave in one run: settling each group alone cost a publish round
     # trip and an ack round per group while the concurrency cap stayed full.
-    from services.generator.publisher import Publisher
+    from rlbus.services.generator.publisher import Publisher
 
     sizes: list[int] = []
     settle = Publisher.settle
@@ -402,9 +402,9 @@ async def test_groups_that_finish_in_one_engine_run_settle_in_one_publish(
 
 async def test_a_publish_that_fails_hands_every_group_of_its_run_back_and_they_come_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from bus.protocol import BusError
-    from services.generator.episodes import EpisodeDriver
-    from services.generator.publisher import Publisher
+    from rlbus.bus.protocol import BusError
+    from rlbus.services.generator.episodes import EpisodeDriver
+    from rlbus.services.generator.publisher import Publisher
 
     failures = [1]
     settle = Publisher.settle
@@ -427,7 +427,7 @@ async def test_a_publish_that_fails_hands_every_group_of_its_run_back_and_they_c
 
 
 async def test_the_slowdown_stretches_episode_engine_runs_too(tmp_path: Path) -> None:
-    from services.generator.backend import SampleMeter
+    from rlbus.services.generator.backend import SampleMeter
 
     meter = SampleMeter(slowdown=3.0)
     t0 = time.perf_counter()
@@ -477,7 +477,7 @@ async def test_deterministic_episodes_are_recomputed_whole_before_their_group_se
 
 
 def test_deterministic_mode_keeps_single_turn_tasks_on_the_batch_path_unless_told_otherwise() -> None:
-    from services.generator.settings import GeneratorSettings
+    from rlbus.services.generator.settings import GeneratorSettings
 
     assert GeneratorSettings().single_turn_episodes
     assert not GeneratorSettings(deterministic=True).single_turn_episodes

@@ -22,16 +22,25 @@ import pytest
 import torch
 from safetensors.torch import save as save_safetensors
 
-from bus.subjects import SubjectError, Subjects
-from schemas import EnvReply, EnvReplyBatch, EnvResetBatch, SamplingParams, SchemaError, Shard, Task, WeightManifest
-from schemas.metric_keys import GeneratorKeys
-from services.generator import service as generator_service
-from services.generator.batch import BatchDriver
-from services.generator.settings import GeneratorSettings
-from services.generator.torch_backend import TorchBackend
-from services.policy.errors import WeightMismatchError
-from services.policy.model_init import init_model
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.subjects import SubjectError, Subjects
+from rlbus.schemas import (
+    EnvReply,
+    EnvReplyBatch,
+    EnvResetBatch,
+    SamplingParams,
+    SchemaError,
+    Shard,
+    Task,
+    WeightManifest,
+)
+from rlbus.schemas.metric_keys import GeneratorKeys
+from rlbus.services.generator import service as generator_service
+from rlbus.services.generator.batch import BatchDriver
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.torch_backend import TorchBackend
+from rlbus.services.policy.errors import WeightMismatchError
+from rlbus.services.policy.model_init import init_model
+from rlbus.services.runtime.lifecycle import Lifecycle
 from tests.unit.test_generator_intake import RUN, FakeBackend, Harness, eventually, settle
 
 torch.set_num_threads(1)

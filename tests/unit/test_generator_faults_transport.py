@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from schemas import Shard
-from services.runtime import weights as weights_module
-from services.runtime.weights import FileTransport, WeightIntegrityError, WeightLocationError
+from rlbus.schemas import Shard
+from rlbus.services.runtime import weights as weights_module
+from rlbus.services.runtime.weights import FileTransport, WeightIntegrityError, WeightLocationError
 
 
 def _shard(location: str | Path, data: bytes) -> Shard:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from schemas import SamplingParams, Task
-from services.generator.core import Generator
-from services.generator.settings import GeneratorSettings
+from rlbus.schemas import SamplingParams, Task
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.settings import GeneratorSettings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def backend(tiny_model: Path) -> Any:
-    from services.generator.backend import BACKENDS
+    from rlbus.services.generator.backend import BACKENDS
 
     b = BACKENDS.create("vllm", model_path=str(tiny_model), dtype="float32", deterministic=False, slowdown=1.0,
                         vllm={"threads": 1, "kv_cache_gib": 1})

@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bus.memory import MemoryBus
-from schemas import (
+from rlbus.bus.memory import MemoryBus
+from rlbus.schemas import (
     Admit,
     AssignPools,
     Concurrency,
@@ -42,12 +42,12 @@ from schemas import (
     Task,
     WeightManifest,
 )
-from schemas.metric_keys import GeneratorKeys
-from services.generator import service as generator_service
-from services.generator.batch import BatchDriver
-from services.generator.settings import GeneratorSettings
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
+from rlbus.schemas.metric_keys import GeneratorKeys
+from rlbus.services.generator import service as generator_service
+from rlbus.services.generator.batch import BatchDriver
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 RUN = "test"
 INSTANCE = "gen-0"
@@ -55,7 +55,7 @@ INSTANCE = "gen-0"
 
 @dataclass
 class FakeSample:
-    """What a backend returns per completion (``services.policy.sampler.SampleOut``'s fields)."""
+    """What a backend returns per completion (``rlbus.services.policy.sampler.SampleOut``'s fields)."""
 
     completion_ids: list[int]
     behaviour_logprobs: np.ndarray

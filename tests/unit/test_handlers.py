@@ -16,9 +16,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from bus.memory import MemoryBus
-from bus.protocol import Poison, RequestFailed
-from schemas import (
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import Poison, RequestFailed
+from rlbus.schemas import (
     DeadLetter,
     EnvReply,
     EnvReplyBatch,
@@ -30,17 +30,17 @@ from schemas import (
     Task,
     spans_from_versions,
 )
-from services.environment import service as env_service
-from services.environment.service import EnvironmentServer
-from services.environment.settings import EnvironmentSettings
-from services.reward import service as reward_service
-from services.reward.service import Scorer
-from services.reward.settings import RewardSettings
-from services.reward.verifiers import VERIFIERS, Verdict
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.runtime.tokens import TextCodec
-from services.trainer.batch import Assembler
+from rlbus.services.environment import service as env_service
+from rlbus.services.environment.service import EnvironmentServer
+from rlbus.services.environment.settings import EnvironmentSettings
+from rlbus.services.reward import service as reward_service
+from rlbus.services.reward.service import Scorer
+from rlbus.services.reward.settings import RewardSettings
+from rlbus.services.reward.verifiers import VERIFIERS, Verdict
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.runtime.tokens import TextCodec
+from rlbus.services.trainer.batch import Assembler
 
 RUN = "test"
 
@@ -48,7 +48,7 @@ RUN = "test"
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A policy folder as far as the environment is concerned: just the tokenizer."""
-    from services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
 
     folder = tmp_path_factory.mktemp("policy")
     build_char_tokenizer().save_pretrained(folder)

@@ -60,7 +60,7 @@ def test_the_episode_engines_busy_spans_count_as_sampling(tmp_path: Path) -> Non
 
 
 def test_engine_runs_merge_into_spans_logged_at_a_gap_or_at_their_longest(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.generator import spans as module
+    from rlbus.services.generator import spans as module
 
     logged: list[dict[str, object]] = []
     monkeypatch.setattr(module.log, "info", lambda event, **kw: logged.append({"event": event, **kw}))

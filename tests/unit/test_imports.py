@@ -12,7 +12,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CHECKED = ("schemas", "services", "observability", "bench", "tests")
+CHECKED = ("rlbus", "schemas", "services", "observability", "bench", "tests")
 
 
 def _nats_imports(source: str, name: str) -> list[str]:

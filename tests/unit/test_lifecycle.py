@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
 
 DEADLINE_S = 20.0  # generous: the machine is shared; the failure mode is "never"
 
@@ -151,7 +151,7 @@ async def test_a_worker_that_returns_does_not_stop_the_others() -> None:
 
 SERVICE = textwrap.dedent("""
     import asyncio, sys
-    from services.runtime.lifecycle import Lifecycle, run_until_stopped
+    from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
 
     async def main():
         life = Lifecycle(grace=0.5)
@@ -207,7 +207,7 @@ def test_sigterm_stops_a_service_whose_worker_ignores_cancellation(tmp_path: Pat
 
 WAITER = textwrap.dedent("""
     import asyncio, threading, time
-    from services.runtime.lifecycle import Lifecycle
+    from rlbus.services.runtime.lifecycle import Lifecycle
 
     async def pull_that_never_returns(gate):
         await gate.wait()

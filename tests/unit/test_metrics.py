@@ -21,9 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from observability.metrics import MAPPED, HeartbeatCollector, MetricsEndpoint, MetricsError, exposed_names
-from schemas import Heartbeat
-from services.runtime.config import RunSettings
+from rlbus.observability.metrics import MAPPED, HeartbeatCollector, MetricsEndpoint, MetricsError, exposed_names
+from rlbus.schemas import Heartbeat
+from rlbus.services.runtime.config import RunSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "observability" / "grafana" / "rlbus.json"
@@ -165,8 +165,8 @@ def test_metrics_port_is_off_by_default_and_checked() -> None:
 
 
 def test_rlbus_up_gives_each_service_its_own_metrics_port() -> None:
-    from services.runtime.config import ConfigError
-    from services.up.main import metrics_ports
+    from rlbus.services.runtime.config import ConfigError
+    from rlbus.services.up.main import metrics_ports
 
     names = ["environment", "reward", "generator-0", "generator-1"]
     ports = metrics_ports(9464, names)
@@ -219,7 +219,7 @@ PROMETHEUS_YML = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 def test_prometheus_scrapes_every_service_on_the_metrics_port_and_keeps_their_labels() -> None:
     import yaml
 
-    from services.catalog import SERVICES
+    from rlbus.services.catalog import SERVICES
 
     config = yaml.safe_load(PROMETHEUS_YML.read_text())
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "rlbus"]

@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from bus.memory import MemoryBus
-from bus.protocol import ConsumerSpec, Delivery
-from schemas import EnvReplyBatch
-from services.generator.batch import BatchDriver
-from services.generator.intake import TASK_MAX_DELIVER
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import ConsumerSpec, Delivery
+from rlbus.schemas import EnvReplyBatch
+from rlbus.services.generator.batch import BatchDriver
+from rlbus.services.generator.intake import TASK_MAX_DELIVER
 from tests.unit.test_generator_intake import Harness, eventually
 
 

@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.trainer.advantages import group_advantages, zero_variance_groups
-from services.trainer.mismatch import MISMATCH_METRICS, mismatch_metrics
-from services.trainer.objective import (
+from rlbus.services.trainer.advantages import group_advantages, zero_variance_groups
+from rlbus.services.trainer.mismatch import MISMATCH_METRICS, mismatch_metrics
+from rlbus.services.trainer.objective import (
     POLICY_LOSS_METRICS,
     Aggregation,
     Correction,
@@ -574,9 +574,9 @@ def test_config_is_frozen_and_defaults_are_the_documented_ones() -> None:
 
 
 def test_the_exactness_claim_covers_fresh_labelled_tokens_and_counts_the_rest() -> None:
-    from services.policy.sampling import SamplingParams
-    from services.trainer.settings import TrainerSettings
-    from services.trainer.step import PackedSeq, step_metrics
+    from rlbus.services.policy.sampling import SamplingParams
+    from rlbus.services.trainer.settings import TrainerSettings
+    from rlbus.services.trainer.step import PackedSeq, step_metrics
 
     def seq(behaviour: list[float], *, staleness: int, exact: bool, mask: list[bool] | None = None) -> PackedSeq:
         return PackedSeq(prompt=[1], completion=[2] * len(behaviour), behaviour=torch.tensor(behaviour),

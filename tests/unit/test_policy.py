@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import save as save_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.policy.errors import PolicyLoadError, WeightMismatchError
-from services.policy.load import load_policy, load_state_from_safetensors, load_tokenizer
-from services.policy.logprobs import LogprobInputError, completion_logprobs
-from services.policy.model_init import ModelInitError, greedy_accuracy, init_model
-from services.policy.sampler import GroupSampler, SampleOut, SamplerInputError, StaticSlot
-from services.policy.sampling import SamplingParams, SamplingParamsError, processed_logprobs
-from services.policy.tokenizer import encode_prompt
-from services.tasks.addition import make_split
+from rlbus.services.policy.errors import PolicyLoadError, WeightMismatchError
+from rlbus.services.policy.load import load_policy, load_state_from_safetensors, load_tokenizer
+from rlbus.services.policy.logprobs import LogprobInputError, completion_logprobs
+from rlbus.services.policy.model_init import ModelInitError, greedy_accuracy, init_model
+from rlbus.services.policy.sampler import GroupSampler, SampleOut, SamplerInputError, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams, SamplingParamsError, processed_logprobs
+from rlbus.services.policy.tokenizer import encode_prompt
+from rlbus.services.tasks.addition import make_split
 from tests.unit.conftest import fresh_model
 
 # Two intra-op threads are 5-30x slower on the 2-vCPU machines this runs on.

@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from bus.protocol import BusConfigError, ServerUnavailable
-from bus.retention import Retention
-from bus.server import EmbeddedServer, ServerError, cluster_nodes
-from bus.streams import PlacementWait, advisory_declaration, declarations, ensure_stream
-from bus.subjects import STREAM_KINDS, Subjects
-from services.runtime.config import ConfigError, RunSettings, load_section
+from rlbus.bus.protocol import BusConfigError, ServerUnavailable
+from rlbus.bus.retention import Retention
+from rlbus.bus.server import EmbeddedServer, ServerError, cluster_nodes
+from rlbus.bus.streams import PlacementWait, advisory_declaration, declarations, ensure_stream
+from rlbus.bus.subjects import STREAM_KINDS, Subjects
+from rlbus.services.runtime.config import ConfigError, RunSettings, load_section
 
 
 def test_replicas_default_to_one_and_are_bounded_by_the_key():

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from bus.protocol import BusClosed, PublishTimeout
-from bus.subjects import Subjects
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle
+from rlbus.bus.protocol import BusClosed, PublishTimeout
+from rlbus.bus.subjects import Subjects
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle
 
 pytestmark = pytest.mark.asyncio
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bus.subjects import Subjects
-from services.runtime.config import ConfigError, RunSettings, load_section
+from rlbus.bus.subjects import Subjects
+from rlbus.services.runtime.config import ConfigError, RunSettings, load_section
 
 
 def test_bus_options_size_the_streams_from_the_run_config():
@@ -33,8 +33,8 @@ def test_bounds_name_the_nested_key():
 
 
 def test_the_trainer_refuses_a_scored_stream_shorter_than_what_it_holds_unacked():
-    from services.trainer.intake import consumer_spec
-    from services.trainer.settings import TrainerSettings
+    from rlbus.services.trainer.intake import consumer_spec
+    from rlbus.services.trainer.settings import TrainerSettings
 
     # It holds up to two checkpoints' worth of groups (acks lag one checkpoint): with
     # max_staleness 2 and checkpoint_every 10, 2 x (2 x 10 + 2 x 3 + 2 + 3) = 62 steps.

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import schemas
-from schemas import (
+from rlbus import schemas
+from rlbus.schemas import (
     ALL_MESSAGES,
     Admit,
     AssignPools,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import Qwen2ForCausalLM
 
-from services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
-from services.policy.model_init import tiny_config
-from services.policy.sampling import SamplingParams
-from services.policy.tokenizer import build_char_tokenizer
+from rlbus.services.policy.logprobs import completion_logprobs, shared_prefix_logprobs
+from rlbus.services.policy.model_init import tiny_config
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.tokenizer import build_char_tokenizer
 
 
 def _model() -> Qwen2ForCausalLM:

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from schemas.metric_keys import SpeculativeKeys
-from services.generator.settings import GeneratorSettings
-from services.policy.load import load_policy
-from services.policy.logprobs import completion_logprobs
-from services.policy.sampler import GroupSampler, StaticSlot, _stop_ids
-from services.policy.sampling import SamplingParams
-from services.policy.spec_tail import DraftLength, Speculation, SpeculationConfig, SpeculationConfigError
-from services.policy.tokenizer import encode_prompt
-from services.runtime.config import ConfigError, load_section
+from rlbus.schemas.metric_keys import SpeculativeKeys
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.policy.load import load_policy
+from rlbus.services.policy.logprobs import completion_logprobs
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot, _stop_ids
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.spec_tail import DraftLength, Speculation, SpeculationConfig, SpeculationConfigError
+from rlbus.services.policy.tokenizer import encode_prompt
+from rlbus.services.runtime.config import ConfigError, load_section
 from tests.unit.conftest import fresh_model
 from tests.unit.stats import same_distribution_p
 
@@ -288,7 +288,7 @@ def test_an_unknown_drafter_combination_is_refused_with_the_valid_names(monkeypa
 
 
 def test_backend_reports_the_tail_on_its_metrics(tiny_model: Path) -> None:
-    from services.generator.torch_backend import TorchBackend
+    from rlbus.services.generator.torch_backend import TorchBackend
 
     backend = TorchBackend(str(tiny_model), speculative={"drafter": "group", "tail_rows": 4, "max_k": 4})
 
@@ -305,7 +305,7 @@ def test_backend_reports_the_tail_on_its_metrics(tiny_model: Path) -> None:
 
 
 def test_tail_stats_add_sums_counts_and_times_but_not_the_last_k() -> None:
-    from services.policy.spec_tail import TailStats
+    from rlbus.services.policy.spec_tail import TailStats
 
     total = TailStats(rounds=1, tokens=3, drafted=4, kept=2, draft_s=0.5, k_last=3)
     total.add(TailStats(rounds=2, tokens=5, drafted=1, kept=1, drafting_rows=1, draft_s=0.25, verify_s=1.0, k_last=1))

@@ -15,10 +15,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from services.policy.draft_round import RoundDrafts
-from services.policy.model_drafter import ModelDrafts
-from services.policy.sampling import processed_logprobs
-from services.policy.speculative import SpeculativeInputError, Verified, accept_drafts
+from rlbus.services.policy.draft_round import RoundDrafts
+from rlbus.services.policy.model_drafter import ModelDrafts
+from rlbus.services.policy.sampling import processed_logprobs
+from rlbus.services.policy.speculative import SpeculativeInputError, Verified, accept_drafts
 
 V = 6
 BOS = V  # row V of the tables is the context "start of sequence"

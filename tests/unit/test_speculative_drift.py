@@ -22,7 +22,7 @@ from bench.speculative_drift import (
     phase_of,
     phases_of,
 )
-from services.policy.spec_tail import TailStats
+from rlbus.services.policy.spec_tail import TailStats
 
 EOS = 2
 DIGITS = list(range(4, 14))  # the character tokenizer's ids of "0".."9"

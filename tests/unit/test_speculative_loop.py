@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 
 from bench.speculative_accept import Counts, speculative_decode
-from services.policy.drafters import GroupDrafter
-from services.policy.load import load_policy
-from services.policy.sampler import GroupSampler, StaticSlot
-from services.policy.sampling import SamplingParams
-from services.policy.tokenizer import encode_prompt
+from rlbus.services.policy.drafters import GroupDrafter
+from rlbus.services.policy.load import load_policy
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+from rlbus.services.policy.sampling import SamplingParams
+from rlbus.services.policy.tokenizer import encode_prompt
 from tests.unit.stats import same_distribution_p
 
 

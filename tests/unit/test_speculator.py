@@ -19,27 +19,27 @@ import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from bus.memory import MemoryBus
-from bus.subjects import draft_model_name
-from schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Shard, Task, WeightManifest
-from schemas.metric_keys import DraftKeys, SpeculatorKeys
-from schemas.rollout import spans_from_versions
-from services.broadcast.service import Broadcaster, BroadcastService
-from services.broadcast.settings import BroadcastSettings
-from services.generator.core import Generator
-from services.generator.settings import GeneratorSettings
-from services.generator.status import Status
-from services.generator.torch_backend import TorchBackend
-from services.generator.weight_follower import WeightFollower, followed_draft
-from services.policy.draft_model import build_draft, save_draft
-from services.policy.load import load_policy, load_state_from_safetensors
-from services.policy.tokenizer import encode_prompt
-from services.runtime.config import ConfigError, RunSettings
-from services.runtime.heartbeat import Beat
-from services.runtime.lifecycle import Lifecycle, run_until_stopped
-from services.runtime.weights import ObjectStoreTransport
-from services.speculator.service import SpeculatorService
-from services.speculator.settings import SpeculatorSettings
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.subjects import draft_model_name
+from rlbus.schemas import Rollout, SamplingParams, ScoredGroup, ScoredRollout, Shard, Task, WeightManifest
+from rlbus.schemas.metric_keys import DraftKeys, SpeculatorKeys
+from rlbus.schemas.rollout import spans_from_versions
+from rlbus.services.broadcast.service import Broadcaster, BroadcastService
+from rlbus.services.broadcast.settings import BroadcastSettings
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.status import Status
+from rlbus.services.generator.torch_backend import TorchBackend
+from rlbus.services.generator.weight_follower import WeightFollower, followed_draft
+from rlbus.services.policy.draft_model import build_draft, save_draft
+from rlbus.services.policy.load import load_policy, load_state_from_safetensors
+from rlbus.services.policy.tokenizer import encode_prompt
+from rlbus.services.runtime.config import ConfigError, RunSettings
+from rlbus.services.runtime.heartbeat import Beat
+from rlbus.services.runtime.lifecycle import Lifecycle, run_until_stopped
+from rlbus.services.runtime.weights import ObjectStoreTransport
+from rlbus.services.speculator.service import SpeculatorService
+from rlbus.services.speculator.settings import SpeculatorSettings
 from tests.running import workers_running
 from tests.unit.conftest import fresh_model
 from tests.unit.test_generator_intake import FakeBackend
@@ -281,9 +281,9 @@ async def test_a_distilled_draft_reaches_a_torch_generators_draft_slot(
 def test_rlbus_up_starts_the_speculator_only_for_the_online_drafters(draft_dir: Path, tmp_path: Path) -> None:
     import tomllib
 
-    from services.catalog import SINGLETONS, singletons
-    from services.up.main import write_resolved_config
-    from services.up.settings import UpSettings
+    from rlbus.services.catalog import SINGLETONS, singletons
+    from rlbus.services.up.main import write_resolved_config
+    from rlbus.services.up.settings import UpSettings
 
     assert "speculator" not in SINGLETONS and "speculator" not in singletons({})
     for drafter in ("off", "group", "static", "static+group"):

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from services.generator.batch import BatchDriver
-from services.generator.intake import TASK_MAX_DELIVER
-from services.generator.settings import GeneratorSettings
+from rlbus.services.generator.batch import BatchDriver
+from rlbus.services.generator.intake import TASK_MAX_DELIVER
+from rlbus.services.generator.settings import GeneratorSettings
 from tests.unit.test_controller_faults_loop import GEN, Loop, eventually
 
 

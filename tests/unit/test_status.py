@@ -6,9 +6,9 @@ import json
 
 from rich.console import Console
 
-from bus.protocol import ConsumerState, StreamState
-from schemas import Admit, AssignPools, Control, Divergence, Heartbeat, RunState, SetMix
-from services.commands.status import build_snapshot, render
+from rlbus.bus.protocol import ConsumerState, StreamState
+from rlbus.schemas import Admit, AssignPools, Control, Divergence, Heartbeat, RunState, SetMix
+from rlbus.services.commands.status import build_snapshot, render
 
 NOW = 1000.0
 

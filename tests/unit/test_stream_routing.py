@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from bus.retention import RETENTION_KEYS, Retention
-from bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
+from rlbus.bus.retention import RETENTION_KEYS, Retention
+from rlbus.bus.routing import WORK_QUEUES, stream_kind_of, subject_matches
 
-# nats types through bus.streams: only bus/ imports nats (tests/unit/test_imports.py)
-from bus.streams import (
+# nats types through rlbus.bus.streams: only bus/ imports nats (tests/unit/test_imports.py)
+from rlbus.bus.streams import (
     NotFoundError,
     advisory_consumer_config,
     advisory_declaration,
@@ -22,7 +22,7 @@ from bus.streams import (
     ensure_advisory_consumer,
     limit_key,
 )
-from bus.subjects import STREAM_KINDS, SubjectError, Subjects
+from rlbus.bus.subjects import STREAM_KINDS, SubjectError, Subjects
 
 S = Subjects("r")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from schemas import SamplingParams, Task
-from services.runtime.taskfile import read_task_file
-from services.tasks.addition import make_split, write_jsonl
+from rlbus.schemas import SamplingParams, Task
+from rlbus.services.runtime.taskfile import read_task_file
+from rlbus.services.tasks.addition import make_split, write_jsonl
 
 GOOD = {"task_id": "add-1", "prompt": "123+456=", "env": "addition", "answer": "579",
         "env_config": {"a": 123, "b": 456}}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.tasks.addition import (
+from rlbus.services.tasks.addition import (
     AdditionTask,
     TaskError,
     make_split,

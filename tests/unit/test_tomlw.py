@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
-from services.up.tomlw import dumps
+from rlbus.services.up.tomlw import dumps
 
 
 def test_round_trip_with_nested_tables() -> None:

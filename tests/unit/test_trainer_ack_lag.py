@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import torch
 
-from schemas.metric_keys import TrainerKeys
-from services.trainer import checkpoint
-from services.trainer.intake import consumer_spec
+from rlbus.schemas.metric_keys import TrainerKeys
+from rlbus.services.trainer import checkpoint
+from rlbus.services.trainer.intake import consumer_spec
 from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir, mark_the_clean_end are fixtures
     RecordingBus,
     Trainer,

@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 import torch
 
-from bus.memory import MemoryObjectStore
-from schemas import Rollout, spans_from_versions
-from schemas.metric_keys import TrainerKeys
-from services.trainer import checkpoint
-from services.trainer.errors import TrainerError
-from services.trainer.intake import consumer_spec
-from services.trainer.ledger import Ledger
-from services.trainer.versions import Lineage
+from rlbus.bus.memory import MemoryObjectStore
+from rlbus.schemas import Rollout, spans_from_versions
+from rlbus.schemas.metric_keys import TrainerKeys
+from rlbus.services.trainer import checkpoint
+from rlbus.services.trainer.errors import TrainerError
+from rlbus.services.trainer.intake import consumer_spec
+from rlbus.services.trainer.ledger import Ledger
+from rlbus.services.trainer.versions import Lineage
 from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir, mark_the_clean_end are fixtures
     RecordingBus,
     Trainer,
@@ -365,7 +365,7 @@ def test_bytes_written_per_checkpoint_stay_bounded_as_the_ledger_grows(tmp_path:
 
 def test_ledger_only_saves_compact_too_and_give_the_fallback_the_drops_but_never_later_trained_groups(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.trainer import ledger
+    from rlbus.services.trainer import ledger
 
     monkeypatch.setattr(ledger, "MIN_COMPACT", 64)  # compact at once, whenever the journal outgrows the base
     root = tmp_path / "ckpt"
@@ -426,7 +426,7 @@ def test_a_checkpoint_of_the_format_before_ledger_files_resumes_and_is_carried_o
 
 
 async def test_a_forged_upload_on_the_bus_does_not_move_the_version_numbers(model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    from schemas import Shard, WeightManifest
+    from rlbus.schemas import Shard, WeightManifest
 
     bus = RecordingBus(tmp_path)
     run_cfg, cfg = configs(model_dir, tmp_path, checkpoint_every=1, max_steps=1)

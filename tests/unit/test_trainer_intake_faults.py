@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from schemas import ScoredGroup, spans_from_versions
-from schemas.metric_keys import TrainerKeys
+from rlbus.schemas import ScoredGroup, spans_from_versions
+from rlbus.schemas.metric_keys import TrainerKeys
 from tests.unit.test_trainer_service import (  # noqa: F401 - model_dir, mark_the_clean_end are fixtures
     LOGP,
     RecordingBus,
@@ -132,7 +132,7 @@ async def test_a_refused_group_redelivered_after_a_crash_is_dead_lettered_again_
         model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     """The refusal is durable in the ledger: a copy that comes back after a crash between the
     checkpoint and the term is a duplicate of an invalid group, and is terminated with its reason."""
-    from services.trainer.intake import consumer_spec
+    from rlbus.services.trainer.intake import consumer_spec
 
     hostile, names = hostile_groups(model_dir)["v1"]
     bus = RecordingBus(tmp_path)
@@ -165,7 +165,7 @@ async def test_a_refused_group_redelivered_after_a_crash_is_dead_lettered_again_
 async def test_a_step_that_refuses_its_input_refuses_the_group_at_fault_and_trains_the_rest(
         model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """Defence in depth: with the intake judge switched off, the step itself meets the bad token."""
-    from services.trainer import batch
+    from rlbus.services.trainer import batch
 
     monkeypatch.setattr(batch, "judge_group", lambda group, limits: "", raising=False)
     hostile, _ = hostile_groups(model_dir)["v1"]
@@ -193,7 +193,7 @@ async def test_a_step_that_refuses_its_input_refuses_the_group_at_fault_and_trai
 
 
 def test_the_judge_names_rollout_field_value_and_limit(model_dir: Path) -> None:  # noqa: F811
-    from services.trainer.judge import InputLimits, judge_group
+    from rlbus.services.trainer.judge import InputLimits, judge_group
 
     vocab, context = model_limits(model_dir)
     limits = InputLimits(vocab_size=vocab, max_positions=context)

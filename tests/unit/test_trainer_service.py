@@ -32,16 +32,16 @@ import numpy as np
 import pytest
 import torch
 
-from bus.memory import MemoryBus
-from bus.protocol import ConsumerSpec, Delivery
-from schemas import Heartbeat, Rollout, ScoredGroup, ScoredRollout, Task, WeightManifest, spans_from_versions
-from schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
-from services.runtime.config import RunSettings
-from services.runtime.lifecycle import Lifecycle
-from services.trainer import checkpoint, service
-from services.trainer.commit import Committer
-from services.trainer.intake import consumer_spec
-from services.trainer.settings import TrainerSettings
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import ConsumerSpec, Delivery
+from rlbus.schemas import Heartbeat, Rollout, ScoredGroup, ScoredRollout, Task, WeightManifest, spans_from_versions
+from rlbus.schemas.metric_keys import OUTCOMES, STALE_HELD, TrainerKeys
+from rlbus.services.runtime.config import RunSettings
+from rlbus.services.runtime.lifecycle import Lifecycle
+from rlbus.services.trainer import checkpoint, service
+from rlbus.services.trainer.commit import Committer
+from rlbus.services.trainer.intake import consumer_spec
+from rlbus.services.trainer.settings import TrainerSettings
 
 torch.set_num_threads(1)
 RUN = "test"
@@ -53,7 +53,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A random two-layer Qwen2 with the character tokenizer: a real Hugging Face folder."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
@@ -285,7 +285,7 @@ def test_a_resumed_board_sorts_after_its_predecessor_made_in_the_same_second(tmp
     import socket
     import time
 
-    from services.trainer.board import EVENT_FILE_PREFIX, StepBoard
+    from rlbus.services.trainer.board import EVENT_FILE_PREFIX, StepBoard
 
     first = StepBoard(tmp_path)
     for step in (1, 2, 3):
@@ -530,7 +530,7 @@ async def test_the_heartbeat_reports_group_outcomes_per_pool_and_per_generator(
 
 async def test_groups_of_the_running_step_count_as_consumed_and_no_ledger_is_written_during_it(
         model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.trainer.policy import TrainedPolicy
+    from rlbus.services.trainer.policy import TrainedPolicy
 
     started, release = threading.Event(), threading.Event()
     real_step = TrainedPolicy.train_step

@@ -7,7 +7,7 @@ from importlib import metadata
 
 import pytest
 
-from services.up import main as up_main
+from rlbus.services.up import main as up_main
 
 
 def _no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from services.policy.calc_init import TOOL_STOP, TURN_TOKENS, tool_call, training_batch, transcript_rows
-from services.policy.model_init import TINY_CONFIG
-from services.policy.tokenizer import build_char_tokenizer
-from services.runtime.config import ConfigError
-from services.runtime.taskfile import read_task_file
-from services.tasks.calculator import CalculatorTask, find_call, make_split, score, split_of
-from services.up import main as up_main
-from services.up.settings import UpSettings
+from rlbus.services.policy.calc_init import TOOL_STOP, TURN_TOKENS, tool_call, training_batch, transcript_rows
+from rlbus.services.policy.model_init import TINY_CONFIG
+from rlbus.services.policy.tokenizer import build_char_tokenizer
+from rlbus.services.runtime.config import ConfigError
+from rlbus.services.runtime.taskfile import read_task_file
+from rlbus.services.tasks.calculator import CalculatorTask, find_call, make_split, score, split_of
+from rlbus.services.up import main as up_main
+from rlbus.services.up.settings import UpSettings
 
 
 def test_calculator_task_files_carry_the_episode_settings(tmp_path: Path) -> None:
@@ -79,8 +79,8 @@ def test_transcripts_are_episodes_the_verifier_scores_right_and_fit_the_context(
 
 
 def test_the_deploy_config_is_a_valid_calculator_run() -> None:
-    from services.controller.settings import ControllerSettings
-    from services.runtime.config import RunSettings, load_section, read_toml
+    from rlbus.services.controller.settings import ControllerSettings
+    from rlbus.services.runtime.config import RunSettings, load_section, read_toml
 
     data = read_toml(str(Path(__file__).resolve().parents[2] / "deploy" / "configs" / "calculator.toml"))
     run, up = load_section(RunSettings, data, "run"), load_section(UpSettings, data, "up")

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.commands.init_model import init_draft_cmd
-from services.generator.settings import SpeculativeOptions
-from services.policy.load import load_policy
-from services.up.main import ensure_draft
+from rlbus.services.commands.init_model import init_draft_cmd
+from rlbus.services.generator.settings import SpeculativeOptions
+from rlbus.services.policy.load import load_policy
+from rlbus.services.up.main import ensure_draft
 
 
 def test_up_builds_the_draft_only_when_a_drafter_needs_one(tiny_model: Path, tmp_path: Path) -> None:

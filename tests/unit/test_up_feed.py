@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.memory import MemoryBus
-from bus.protocol import ConsumerSpec
-from bus.subjects import Subjects
-from schemas import Task
-from services.up import watch
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import ConsumerSpec
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import Task
+from rlbus.services.up import watch
 
 
 def _tasks(n: int) -> list[Task]:

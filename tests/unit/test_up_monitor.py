@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.up.monitor import Monitor
+from rlbus.services.up.monitor import Monitor
 
 
 def _round(mon: Monitor, version: int, acc: float) -> None:
@@ -25,8 +25,8 @@ def test_one_reading_at_the_target_is_not_enough_the_mean_of_the_latest_rounds_i
 
 
 def test_a_train_row_carries_the_speculators_metrics_and_the_stalest_draft(tmp_path: Path) -> None:
-    from schemas import Heartbeat
-    from schemas.metric_keys import DraftKeys, SpeculatorKeys
+    from rlbus.schemas import Heartbeat
+    from rlbus.schemas.metric_keys import DraftKeys, SpeculatorKeys
 
     mon = Monitor(path=tmp_path / "metrics.jsonl", eval_size=200)
     for gen, lag in (("gen-0", 1.0), ("gen-1", 4.0)):
@@ -41,10 +41,10 @@ def test_a_train_row_carries_the_speculators_metrics_and_the_stalest_draft(tmp_p
 
 
 def test_with_a_drafter_the_rows_the_live_line_and_report_png_show_the_tail(tmp_path: Path) -> None:
-    from schemas import Heartbeat
-    from schemas.metric_keys import DraftKeys, SpeculativeKeys
-    from services.up.report import write_report
-    from services.up.watch import _line
+    from rlbus.schemas import Heartbeat
+    from rlbus.schemas.metric_keys import DraftKeys, SpeculativeKeys
+    from rlbus.services.up.report import write_report
+    from rlbus.services.up.watch import _line
 
     mon = Monitor(path=tmp_path / "metrics.jsonl", eval_size=200)
     for gen, rate in (("gen-0", 0.2), ("gen-1", 0.4)):

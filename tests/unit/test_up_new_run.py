@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import time
 
-from schemas import Control, RunState
-from services.commands.control import new_run
-from services.generator.settings import GeneratorSettings
+from rlbus.schemas import Control, RunState
+from rlbus.services.commands.control import new_run
+from rlbus.services.generator.settings import GeneratorSettings
 from tests.unit.test_controller_faults_loop import GEN, Loop, eventually
 
 

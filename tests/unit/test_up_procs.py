@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PARENT = """
 import sys, time
 from pathlib import Path
-from services.up.procs import Children
+from rlbus.services.up.procs import Children
 child = Children(Path(sys.argv[1])).run("service", [sys.executable, "-c", "import time; time.sleep(600)"])
 print(child.proc.pid, flush=True)
 time.sleep(600)
@@ -59,7 +59,7 @@ def test_the_services_of_an_up_killed_with_sigkill_exit_with_it(tmp_path: Path) 
 
 def test_a_child_whose_parent_died_before_it_asked_kills_itself() -> None:
     """The race: the parent is gone between fork and prctl (its pid no longer the child's parent)."""
-    from services.up.procs import DieWithParent
+    from rlbus.services.up.procs import DieWithParent
 
     probe = DieWithParent()
     probe.parent = -1  # as if the forking parent were not our parent any more

@@ -6,16 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from schemas import Rollout, Task, spans_from_versions
-from services.environment.envs import ENVIRONMENTS, AdditionEnv, EnvError, SingleTurnEnv
-from services.reward.verifiers import VERIFIERS, AdditionVerifier, FormatVerifier, MathVerifier, verifier_for
-from services.runtime.registry import UnknownExtension
-from services.runtime.tokens import TextCodec, TokenizerError
+from rlbus.schemas import Rollout, Task, spans_from_versions
+from rlbus.services.environment.envs import ENVIRONMENTS, AdditionEnv, EnvError, SingleTurnEnv
+from rlbus.services.reward.verifiers import VERIFIERS, AdditionVerifier, FormatVerifier, MathVerifier, verifier_for
+from rlbus.services.runtime.registry import UnknownExtension
+from rlbus.services.runtime.tokens import TextCodec, TokenizerError
 
 
 @pytest.fixture(scope="module")
 def codec(tmp_path_factory) -> TextCodec:
-    from services.policy.tokenizer import build_char_tokenizer
+    from rlbus.services.policy.tokenizer import build_char_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     build_char_tokenizer().save_pretrained(folder)

@@ -23,15 +23,15 @@ import hashlib
 from collections import Counter
 from pathlib import Path
 
-from bus.memory import MemoryBus
-from bus.protocol import BusError
-from bus.subjects import Subjects
-from schemas import Shard, WeightManifest
-from services.generator.core import Generator
-from services.generator.settings import GeneratorSettings
-from services.generator.status import Status
-from services.generator.weight_follower import WeightFollower
-from services.runtime.heartbeat import Beat
+from rlbus.bus.memory import MemoryBus
+from rlbus.bus.protocol import BusError
+from rlbus.bus.subjects import Subjects
+from rlbus.schemas import Shard, WeightManifest
+from rlbus.services.generator.core import Generator
+from rlbus.services.generator.settings import GeneratorSettings
+from rlbus.services.generator.status import Status
+from rlbus.services.generator.weight_follower import WeightFollower
+from rlbus.services.runtime.heartbeat import Beat
 from tests.e2e import fuzz
 from tests.unit.test_generator_intake import FakeBackend
 

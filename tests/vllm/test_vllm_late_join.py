@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from schemas import WeightManifest
-from services.tasks.addition import make_split
+from rlbus.schemas import WeightManifest
+from rlbus.services.tasks.addition import make_split
 from tests.e2e.harness import Pipeline, wait_heartbeat
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.integration]
@@ -17,7 +17,7 @@ JOIN_SLOWDOWN = 20.0
 
 
 async def test_vllm_generator_joins_mid_run_and_serves_the_latest_version(tiny_model, tmp_path):
-    from schemas import Task
+    from rlbus.schemas import Task
 
     tables = {
         "run": {"run": "vllmjoin", "model_path": str(tiny_model), "batch_groups": 8, "group_size": 8,

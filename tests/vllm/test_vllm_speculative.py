@@ -25,14 +25,14 @@ TAIL_ROWS = 2
 
 
 def _exact() -> bool:
-    from services.generator.vllm_backend import NGRAM_EXACT
+    from rlbus.services.generator.vllm_backend import NGRAM_EXACT
 
     return NGRAM_EXACT
 
 
 @pytest.fixture(scope="module")
 def backend(tiny_model: Path) -> Any:
-    from services.generator.backend import BACKENDS
+    from rlbus.services.generator.backend import BACKENDS
 
     if not _exact():
         pytest.skip("this vLLM build's n-gram drafting is not exact (the backend refuses it; see the refusal test)")
@@ -49,21 +49,21 @@ def backend(tiny_model: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def policy(tiny_model: Path) -> Any:
-    from services.policy.load import load_policy
+    from rlbus.services.policy.load import load_policy
 
     return load_policy(tiny_model, dtype="float32")
 
 
 def _prompts(tokenizer: Any, count: int) -> list[list[int]]:
-    from services.policy.tokenizer import encode_prompt
-    from services.tasks.addition import make_split
+    from rlbus.services.policy.tokenizer import encode_prompt
+    from rlbus.services.tasks.addition import make_split
 
     return [encode_prompt(tokenizer, t.prompt) for t in make_split("heldout", count, 5)]
 
 
 def test_drafting_keeps_greedy_ids_and_the_trainers_logprobs(backend: Any, policy: Any) -> None:
-    from services.policy.sampler import GroupSampler, StaticSlot
-    from services.policy.sampling import SamplingParams
+    from rlbus.services.policy.sampler import GroupSampler, StaticSlot
+    from rlbus.services.policy.sampling import SamplingParams
 
     model, tokenizer = policy
     eos = [tokenizer.eos_token_id]
@@ -99,8 +99,8 @@ def test_no_drafting_above_tail_rows(backend: Any, policy: Any) -> None:
 
 
 def test_inexact_ngram_drafting_is_refused_before_the_engine_starts(tiny_model: Path) -> None:
-    from services.generator.backend import BACKENDS
-    from services.generator.vllm_backend import VllmBackendError
+    from rlbus.services.generator.backend import BACKENDS
+    from rlbus.services.generator.vllm_backend import VllmBackendError
 
     if _exact():
         pytest.skip("this vLLM build's n-gram drafting counts as exact: the engine tests above cover it")
@@ -111,8 +111,8 @@ def test_inexact_ngram_drafting_is_refused_before_the_engine_starts(tiny_model: 
 
 
 def test_the_settings_map_to_vllms_speculative_config_and_draft_models_are_refused(tiny_model: Path) -> None:
-    from services.generator.vllm_backend import VllmBackendError, vllm_speculative_config
-    from services.policy.spec_tail import SpeculationConfig
+    from rlbus.services.generator.vllm_backend import VllmBackendError, vllm_speculative_config
+    from rlbus.services.policy.spec_tail import SpeculationConfig
 
     assert vllm_speculative_config(SpeculationConfig()) is None
     config = vllm_speculative_config(SpeculationConfig(drafter="group", tail_rows=3, max_k=5), exact_ngram=True)
