@@ -5,7 +5,7 @@ hidden 512 and a 512-token context, whose rows run past the ~128-token point whe
 reduction order starts to depend on the padded length) and a few dozen random sequences of
 mixed lengths, token logprobs are compared bit for bit (``torch.equal`` on float32):
 
-- ``alone_vs_fixed``: today's deterministic path (each sequence alone, unpadded, eager) vs the
+- ``alone_vs_fixed``: the per-sequence path (each sequence alone, unpadded, eager) vs the
   fixed-shape batch (`rlbus.services.policy.exact.fixed_shape_logprobs`);
 - ``neighbours``: the fixed-shape batch vs the same sequences shuffled among others (other
   neighbours, other rows);
@@ -13,15 +13,15 @@ mixed lengths, token logprobs are compared bit for bit (``torch.equal`` on float
 - ``sdpa_vs_eager``: the two attention kernels, same shapes;
 - ``other_batch_size`` / ``other_bucket``: the same rule with another batch size or bucket width;
 - ``threads_1_vs_2``: the fixed-shape batch with 1 and with 2 torch threads (generator and
-  trainer each have their own ``threads`` setting), and today's path likewise.
+  trainer each have their own ``threads`` setting), and the per-sequence path likewise.
 
 Each pair reports ``equal`` and ``max_abs_diff``.  Cost (one thread, median process-CPU seconds over
-``--repeats``, same process): logprobs of the same sequences per sequence (today) vs fixed-shape batched,
+``--repeats``, same process): logprobs of the same sequences per sequence vs fixed-shape batched,
 without grad (the generator's recompute) and forward+backward (the trainer), and the default
 batched forward for reference; on the tiny policy also for the real workload (32 addition prompts
 x 8 samples, as ``bench/deterministic_cost.py``), where the trainer's default is the shared-prefix
 forward and the generator's slowdown is (sampling + recompute) / sampling.  Padding waste: computed token slots / real
-tokens for several bucket rules.
+tokens for several bucket rules.  Results: docs/measurements/batch-invariance-cpu2-2026-12-05.md.
 
     .venv/bin/python bench/batch_invariance.py --model models/tiny-addition
 """
@@ -70,8 +70,8 @@ def _wide_model(vocab: int) -> torch.nn.Module:
 
 
 def per_sequence(model: torch.nn.Module, seqs: Seqs, params: Any, *, grad: bool = False) -> list[torch.Tensor]:
-    """Deterministic mode before the fixed shapes (until 2026-12-05): every sequence forwarded alone,
-    unpadded, with eager attention.  Kept here as the baseline the fixed shape is measured against."""
+    """Every sequence forwarded alone, unpadded, with eager attention (shapes that depend on nothing
+    else by construction): the baseline the fixed shape is measured against."""
     from rlbus.services.policy.sampling import processed_logprobs
     from rlbus.services.policy.sequences import attention
 
@@ -194,7 +194,7 @@ def padding_waste(lengths: Sequence[int], max_len: int) -> dict[str, float]:
             if bucket <= max_len:
                 shapes = FixedShapes(batch_size=batch_size, bucket=bucket, max_len=max_len)
                 out[f"B{batch_size}_bucket{bucket}"] = shapes.padded_tokens(lengths) / real
-        # Today's default path: one batch padded to its longest sequence.
+        # The default path: one batch padded to its longest sequence.
         slots = sum(batch_size * max(lengths[s: s + batch_size]) for s in range(0, len(lengths), batch_size))
         out[f"B{batch_size}_pad_to_batch_max"] = slots / real
     return out
@@ -255,7 +255,8 @@ def main() -> None:
             work, groups, sample_s = addition_workload(model, tok, args.repeats)
             variants = [FixedShapes(batch_size=b, bucket=8, max_len=ctx) for b in (8, 32, 64)]
             c = cost(model, work, variants, args.repeats, groups)
-            # The deterministic generator samples as the default one, then recomputes.
+            # Costed as a generator that samples as the default one, then recomputes every sample
+            # (the exact-decoding generator recomputes none: bench/deterministic_cost.py).
             c["sample_s/default"] = sample_s
             for v in variants:
                 for attn in ("sdpa", "eager"):

@@ -22,7 +22,8 @@ Prints ONE JSON object: per mode the median over `--repeats` of wall and process
 episode (one torch thread: CPU time is the steadier figure on a shared machine) and prefill
 tokens per episode, and recompute/kept ratios; with `--single-turn`, also single-turn sampling
 (32 prompts x 8 samples x <= 16 tokens) through GroupSampler and through the engine, in tokens
-per CPU second (the issue asks that single-turn runs do not get slower on the engine).
+per CPU second (single-turn runs must not get slower on the engine).  Results:
+docs/measurements/episode-kv-cpu2-2026-12-05.md, single-turn-path-cpu2-2026-12-06.md.
 
   .venv/bin/python bench/episode_kv.py --single-turn        # tiny model, context 64
   .venv/bin/python bench/episode_kv.py --max-positions 512  # longer episodes

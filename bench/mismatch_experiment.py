@@ -1,4 +1,5 @@
-"""Inject a known training–inference mismatch and compare corrections (issue: consistency).
+"""Inject a known training–inference mismatch and compare corrections (training–inference consistency;
+results: docs/measurements/mismatch-injected-cpu2-2026-12-02.md).
 
 Runs `rlbus up` several times from the same warm-start policy: generator in bfloat16, trainer in
 float32 (a real precision gap), with `[trainer.objective] correction` = none, tis (truncated IS, the default) and mis

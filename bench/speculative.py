@@ -1,5 +1,6 @@
 """Drafters compared in the real GroupSampler on long completions: none, a static draft model, a
-distilled draft model, the group drafter (issue 16, third piece; no drifting policy yet).
+distilled draft model, the group drafter, under a fixed policy (bench/speculative_drift.py shifts
+it; results: docs/measurements/draft-model-cpu2-2026-12-06.md).
 
 Workload: the tests' tiny addition policy with <eos> switched off (generation and model config),
 so every completion runs `--max-new-tokens` (40; the context is 64). After its answer the policy

@@ -1,5 +1,6 @@
 """Acceptance of the `group` drafter under exact speculative sampling, and its wall time vs plain
-decoding at batch sizes 1 to 8 (issue 16, first piece: no generator wiring yet).
+decoding at batch sizes 1 to 8, in a reference loop outside the generator (results:
+docs/measurements/speculative-accept-cpu2-2026-12-05.md).
 
 Workload: `--prompts` addition prompts (train split, fixed seed). For each, a group of 8 is
 first sampled with the plain `GroupSampler`; those completions feed the pool of recent

@@ -1,14 +1,17 @@
 """Drafters under a drifting policy: no drafting, a static draft, an online draft, the group
-drafter, the online draft and the group drafter combined, before and after a scripted policy shift half way through the stream (issue 16).
+drafter, the online draft and the group drafter combined, before and after a scripted policy
+shift half way through the stream (docs/measurements/speculative-drift-cpu2-2026-12-06.md and
+speculative-drift-cpu2-2026-12-07.md hold its results).
 
 Policy: the tests' tiny addition model with <eos> switched off (as bench/speculative.py), so every
 completion runs `--max-new-tokens`: 55 by default, the most its 64-position context allows after
-the 9-token prompts (the issue asks for >= 64; this model cannot hold that). v0 answers, then
-writes mostly <eos> ids with a scattered digit. v1 = v0 after `--drift-steps` optimiser steps of
-supervised training on v0's own completions whose post-answer tokens are replaced by a count
-(the digit after the answer's last digit, then the next, mod 10); only those post-answer tokens
-carry loss, meant to move what comes after the answer, as an RL update moves the distribution
-where the reward does not pin it (measured: the answer moves too, the layers being shared). The report says how far it moved: mean KL(v1 || v0) per token within the
+the 9-token prompts (long completions, >= 64 tokens, are the shape drafting is for; this model
+cannot hold that). v0 answers, then writes mostly <eos> ids with a scattered digit. v1 = v0 after
+`--drift-steps` optimiser steps of supervised training on v0's own completions whose post-answer
+tokens are replaced by a count (the digit after the answer's last digit, then the next, mod 10);
+only those post-answer tokens carry loss, meant to move what comes after the answer, as an RL
+update moves the distribution where the reward does not pin it (measured: the answer moves too,
+the layers being shared). The report says how far it moved: mean KL(v1 || v0) per token within the
 first 4 completion tokens (v0's answer and its <eos>) and after them, on v1's samples of the
 stream's prompts; the static draft's acceptance before vs after the shift says it too.
 
@@ -287,8 +290,9 @@ def summarise(replays: list[dict[tuple[str, str, str], Tally]]) -> dict[str, Any
 
 
 def targets(table: dict[str, Any]) -> dict[str, Any]:
-    """The issue's targets, read off the table: draft quality after the shift (tokens per forward at
-    fixed k, and under the adaptive rule), the best drafter in the tail, the adaptive modes overall."""
+    """The targets the drafters are judged on, read off the table: draft quality after the shift
+    (tokens per forward at fixed k, and under the adaptive rule), the best drafter in the tail, the
+    adaptive modes overall."""
     after = table["after"]
     adaptive = ("static", "online", "group", "online_group")
     drafters = [m for m in MODES if not m.startswith("off")]

@@ -1,5 +1,6 @@
 """The speculative tail in the real GroupSampler (services/policy/spec_tail.py): drafter off vs
-`group`, same prompts, same seeds, on the addition task's run shape (issue 16, second piece).
+`group`, same prompts, same seeds, on the addition task's run shape (results:
+docs/measurements/speculative-tail-cpu2-2026-12-05.md).
 
 Workload: addition prompts (train split, fixed seed), groups of 8 (the default group_size),
 sampled at batch 1 (one group per call) and at the default batch (`--batch-groups`, 32 groups

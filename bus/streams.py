@@ -15,14 +15,14 @@
 UPLOADS is a work queue like TASKS: an upload stays until weight-broadcast (its only consumer)
 acks it, verified and announced or refused into DEAD, and a burst beyond ``queue_max_msgs`` is
 refused to its publisher (``StreamFull`` naming the key) instead of pushing out an unread real
-version, as the per-subject limit of WEIGHTS, where uploads used to live, did.  Its subjects do
-not overlap the old ``rl.<run>.weights.<model>.upload`` (JetStream refuses overlapping streams),
-so an existing run migrates in place: its next connect creates UPLOADS beside the unchanged
-WEIGHTS, and weight-broadcast reads uploads from there under a new durable.  What the old durable
-(``broadcast`` on WEIGHTS) had not read is left behind: before upgrading, stop the trainer and
-let weight-broadcast announce its last upload (the version ``rlbus status`` shows), or accept that
-the trainer's next version supersedes it.  The old durable can then be removed
-(``nats consumer rm RL_<run>_WEIGHTS broadcast``).
+version, as a per-subject limit on WEIGHTS would.  Its subjects do not overlap
+``rl.<run>.weights.<model>.upload``, where a run made before UPLOADS existed keeps its uploads
+(JetStream refuses overlapping streams), so such a run migrates in place: its next connect
+creates UPLOADS beside the unchanged WEIGHTS, and weight-broadcast reads uploads from there
+under a new durable.  What the old durable (``broadcast`` on WEIGHTS) had not read is left
+behind: before upgrading, stop the trainer and let weight-broadcast announce its last upload
+(the version ``rlbus status`` shows), or accept that the trainer's next version supersedes it.
+The old durable can then be removed (``nats consumer rm RL_<run>_WEIGHTS broadcast``).
 
 Every stream has a ``duplicate_window`` so a publisher retrying with the same ``Nats-Msg-Id``
 is stored once.  ``ensure_streams`` is idempotent: it creates what is missing and accepts what is

@@ -15,8 +15,9 @@ What opens a trace, and what only continues one:
   (the link carries the scored message's trace context); a weight upload is a short trace too.
 - The bus's ``send <subject>`` / ``process <subject>`` spans only *continue* a trace: a publish
   with no span current, or a delivery whose headers carry no ``traceparent``, opens nothing.
-  Heartbeats, control decisions and status traffic therefore make no spans at all (a 60-second
-  run used to make thousands of one-span traces of them).
+  Heartbeats, control decisions and status traffic therefore make no spans at all (opening a
+  trace per message would make a thousand or more one-span traces of them in a 60-second run:
+  docs/measurements/trace-spans-cpu2-2026-12-05.md).
 - A request that serves many tasks at once (the generator's batched environment reset) carries
   the trace context of each task in ``Rlbus-Item-Traces`` (``item_traces``), so the server can
   give each task's trace its own span (``item_contexts``).

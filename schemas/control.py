@@ -11,7 +11,7 @@ older one.  Every issuer (the controller, an operator's ``rlbus control``) takes
 ``DecisionClock``: microseconds of wall time, but always above every seq the issuer has seen on
 the run's CONTROL stream.  A decision issued later therefore carries a larger seq than anything it
 could have seen, whoever issued it, and an issuer that restarts or runs beside another can never
-void the decisions that follow it (as a per-process counter started at one issuer's start time did).
+void the decisions that follow it (as a per-process counter started at one issuer's start time would).
 A seq more than ``MAX_SEQ_AHEAD_S`` ahead of the decoding machine's clock is refused on decode: every
 issuer would otherwise have to follow it (a seq of 1e18 would leave wall time behind for good, one
 near 2**64 would overflow the next decision's encoding), so it goes to DEAD with the reason instead.

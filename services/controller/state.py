@@ -138,7 +138,7 @@ def trainer_outcomes(metrics: Mapping[str, float], *, pools: Collection[str] | N
     reads becomes state it keeps and works through each period, so names a heartbeat makes up (a
     broken or hostile emitter, thousands per heartbeat) must not become state.
 
-    There is no totals-only fallback any more: the trainer reports every group it judges under its
+    There is no totals-only fallback: the trainer reports every group it judges under its
     pool and its generator, so whenever a total (``trainer/groups_<outcome>``) is non-zero the
     breakdown exists too.  Before the first judged group both are absent or zero, and an empty
     breakdown says exactly that (no kept fraction measured yet).  Feeding the totals under a

@@ -26,7 +26,8 @@ class SpeculativeOptions(Settings):
 
     Off by default: on the addition task's run shape (groups of 8, 32 groups a batch, answers of
     at most 6 tokens) the rows of a batch finish within a step or two of each other, so there is
-    almost no tail to draft in (bench/speculative_tail.py, README)."""
+    almost no tail to draft in (bench/speculative_tail.py,
+    docs/measurements/speculative-tail-cpu2-2026-12-05.md)."""
 
     drafter: DrafterName = Field(
         "off", description="'group': the last rows of a batch draft from their group's siblings and recent "
@@ -95,8 +96,8 @@ class GeneratorSettings(Settings):
         "path, which samples them on their round's pinned weights, and so do all single-turn tasks while a "
         "[generator.speculative] drafter is on (the speculative tail is the batch sampler's), and in deterministic "
         "mode unless single_turn is set (the batch sampler decodes the trainer's exact log-probs, the episode engine "
-        "recomputes them); the vLLM backend batches continuously inside its own calls either way.  See README "
-        "'Episodes and environments'.")
+        "recomputes them); the vLLM backend batches continuously inside its own calls either way.  See "
+        "docs/environments.md.")
     eval_weights: Literal["pinned", "live"] = Field(
         "pinned", description="Held-out rounds: 'pinned' samples each round at exactly the version it was scheduled "
         "at, on a second copy of the model (torch backend; twice the weight memory); 'live' samples on the moving "
@@ -107,7 +108,7 @@ class GeneratorSettings(Settings):
     slowdown_file: str = Field("", description="Testing aid: a file holding a slowdown factor, re-read between batches "
                                "so a test can slow a running generator and speed it up again ('' = off).")
     openai_port: int = Field(0, ge=0, le=65535, description="Port of the OpenAI-compatible /v1/chat/completions "
-                             "endpoint for unmodified agents (0 = off); see README 'Chat endpoint'.")
+                             "endpoint for unmodified agents (0 = off); see docs/chat-endpoint.md.")
     openai: ChatEndpointOptions = Field(default_factory=ChatEndpointOptions, description="Chat endpoint options.")
     vllm: VllmOptions = Field(default_factory=VllmOptions, description="vLLM backend options (threads, KV cache, blocks).")
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions, description=(

@@ -123,12 +123,13 @@ _BASE_LABEL = "default"  # vLLM's weight label before the first update
 # generator, which only CUDA generators support).  CPU builds therefore draw from the engine's own
 # generator (seeded once at start), so a single request cannot be replayed from its seed there.
 PER_REQUEST_SEEDS = not current_platform.is_cpu()
-# vLLM 0.32 CPU: n-gram drafting keeps greedy ids but is not exact when sampling (measured
-# 2026-12-07, bench/vllm_ngram_check.py, tests' tiny policy): its CPU rejection sampler keeps drafted
-# tokens the target gives ~e^-12 (`4+x<eos>` as the answer to a sum) and reports NaN or 0 as their
-# log-probs, in 21 to 24 of 24 sampled rows at T = 1 and at T = 0.7 / top-p 0.9 (three runs).  Exact
-# sampling is what the trainer's importance weights rely on, so CPU builds refuse it; GPU builds
-# (vllm 0.33) are allowed and not verified here (no GPU lent): check one with the same script first.
+# vLLM 0.32 CPU: n-gram drafting keeps greedy ids but is not exact when sampling
+# (bench/vllm_ngram_check.py on the tests' tiny policy,
+# docs/measurements/vllm-ngram-check-cpu2-2026-12-07.md): its CPU rejection sampler keeps drafted
+# tokens the target all but rules out and reports NaN or wrong log-probs for them, in 21 to 24 of 24
+# sampled rows at T = 1 and at T = 0.7 / top-p 0.9.  Exact sampling is what the trainer's importance
+# weights rely on, so CPU builds refuse it; GPU builds (vllm 0.33) are allowed but not verified:
+# check one with the same script first (bench/gpu_check.sh runs it).
 NGRAM_EXACT = not current_platform.is_cpu()
 
 

@@ -39,7 +39,8 @@ def build_draft(policy: PreTrainedModel, *, layers: int = 1, init: DraftInit = "
     skipped); "fresh": random weights under `seed`. "policy" starts far closer. Measured on the
     tests' tiny addition policy (4 layers; acceptance under the real rule, T = 1, k = 4, 12 held-out
     prompts x 3 seeds): answers with <eos>: 1 layer 0.06-0.10 from the policy vs 0.005 fresh, 2 layers
-    0.28-0.35 vs 0.007; <eos> off, 24 tokens: 1 layer 0.05-0.07, 2 layers 0.40-0.48 from the policy.
+    0.28-0.35 vs 0.007; <eos> off, 24 tokens: 1 layer 0.05-0.07, 2 layers 0.40-0.48 from the policy
+    (docs/measurements/draft-model-cpu2-2026-12-06.md).
     """
     total = getattr(policy.config, "num_hidden_layers", None)
     if total is None:

@@ -1,6 +1,5 @@
 """Episode engine of the PyTorch backend: many episodes decode together, each keeping its KV
-cache while it waits for the environment (issue 15, "per-episode scheduling" and "KV kept
-across turns").
+cache while it waits for the environment (docs/environments.md, "The generator's side").
 
 Why it exists: in a multi-turn episode the policy speaks, the environment answers, the policy
 speaks again. Recomputing the whole conversation at every turn costs a prefill that grows with

@@ -2,8 +2,9 @@
 
 Why it exists: deterministic mode needs the generator's recomputed behaviour logprobs and the
 trainer's logprobs to be bit-identical. `completion_logprobs(..., deterministic=True)` gets that
-by computing every sequence in shapes that depend only on its own lengths (until 2026-12-05 by
-forwarding each sequence alone, which cost 16-28x). A row's result depends on the reduction
+by computing every sequence in shapes that depend only on its own lengths, in batches (forwarding
+each sequence alone gives such shapes too, at many times the cost:
+docs/measurements/deterministic-cost-cpu2-2026-12-07.md). A row's result depends on the reduction
 order of the kernels, and on CPU (MKL sgemm, PyTorch's softmax and RMSNorm, eager and SDPA
 attention) that order is fixed by the tensor *shape*, not by the other rows' values nor by the
 row's position in the batch (`bench/batch_invariance.py` measures this). So each sequence is
@@ -13,9 +14,9 @@ length; both sides then run the same kernels on it, in batches.
 Why the length is bucketed rather than free: the attention-weights @ values product reduces over
 the padded key length, and MKL's blocking of that reduction changes with it once a sequence is
 longer than ~128 tokens, so padding the same sequence to 256 or to 272 columns differs in the
-last bit. The number of rows is not fixed any more (it was until 2026-12-07): from `MIN_ROWS`
-rows up a row's bits did not depend on it, measured, and the decoding generator
-(`exact_decode`) depends on that anyway, so a fixed batch only added fill rows.
+last bit. The number of rows is not fixed: from `MIN_ROWS` rows up a row's bits do not depend on
+it (`tests/unit/test_exact_decode.py` pins this), and the decoding generator (`exact_decode`)
+depends on that anyway, so a fixed batch would only add fill rows.
 Deterministic mode attends with `exact_attention` on both sides, the kernel that also makes a
 row's result independent of the query length (what lets the generator decode in this layout).
 
@@ -129,13 +130,12 @@ MIN_ROWS = 8
 # one constant, so a generator and a trainer cannot disagree.  Rows are not fixed: a row's bits do
 # not depend on the number of rows from MIN_ROWS up (the decoding generator relies on the same), so
 # each (prompt bucket, completion bucket) is one batch of up to 256 rows, filled only to MIN_ROWS;
-# the trainer's micro-batch bounds the memory as in default mode.  Measured on the addition task
-# (prompts of 9 tokens, completions of 4-5, 256 sequences; trainer forward+backward against the
-# default path's 0.19-0.20 s, 2026-12-07): 32 fixed rows at 1-token steps 1.18-1.33x, 2-token
-# steps 1.35-1.42x, 4-token steps 1.54-1.58x (the pads of 5-token answers); 64 rows filled to 8
-# 1.05x, 128-512 rows 0.87-0.92x.  Lengths spread over 8-48 tokens: 0.60-0.63x (the default path
-# pads every row to the longest).  Geometric steps (1 token up to 8, 2 up to 16, 4 up to 32, ...)
-# keep long sequences from multiplying the shapes.
+# the trainer's micro-batch bounds the memory as in default mode.  A fixed row count would pay for
+# fill rows, and coarse length steps for pads (short answers suffer most); with free rows and 1-token
+# steps for short sequences the trainer's forward+backward costs about the default path's, and less
+# on long answers, which the default path pads to the longest row
+# (docs/measurements/deterministic-cost-cpu2-2026-12-07.md).  Geometric steps (1 token up to 8,
+# 2 up to 16, 4 up to 32, ...) keep long sequences from multiplying the shapes.
 DETERMINISTIC_SHAPES = FixedShapes(batch_size=256, bucket=1, geometric=True, fill_to=MIN_ROWS)
 
 

@@ -1,10 +1,11 @@
 """The attention kernel of deterministic mode, whose row results do not depend on the query length.
 
 Why it exists: for the generator's behaviour log-probs to be bit-identical to the trainer's, the
-generator used to sample and then recompute every sample in the trainer's fixed shapes, which
-cost as much as the sampling itself on short answers. Decoding one token per step *is* already in
-a shape the trainer's batched forward agrees with, except for attention: measured on this CPU
-(torch 2.13, `tests/unit/test_exact_attention.py` keeps checking it),
+generator could sample and then recompute every sample in the trainer's fixed shapes, but that
+costs as much as the sampling itself on short answers
+(docs/measurements/deterministic-cost-cpu2-2026-12-07.md). Decoding one token per step *is*
+already in a shape the trainer's batched forward agrees with, except for attention: measured on
+this CPU (torch 2.13, `tests/unit/test_exact_attention.py` keeps checking it),
 
 - the linear layers, norms and softmaxes give a row the same bits whatever the number of rows
   (from 8 rows up; one row takes another matmul path);

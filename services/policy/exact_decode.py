@@ -1,13 +1,14 @@
 """Decoding in the trainer's layout: each token's log-prob is the trainer's, without a recompute.
 
-Why it exists: deterministic mode used to sample in the fast left-padded layout and then recompute
-every sample with the trainer's function, which on short answers cost as much again as the
-sampling (2.8x the default generator, `bench/deterministic_cost.py`). The trainer's function
-(`exact.shared_prompt_logprobs`) computes a sequence as its prompt, right-padded to its prompt
-bucket, then its completion against that prompt's KV. Decoding token by token in exactly that key
-layout, with the attention kernel of `exact_attention` (whose results do not depend on the query
-length or on masked key padding), gives every decoded token the trainer's bits: the prompt pass is
-the trainer's own call, and each later position sees the same keys at the same indices.
+Why it exists: sampling in the fast left-padded layout and then recomputing every sample with the
+trainer's function costs, on short answers, as much again as the sampling
+(`bench/deterministic_cost.py`, docs/measurements/deterministic-cost-cpu2-2026-12-07.md). The
+trainer's function (`exact.shared_prompt_logprobs`) computes a sequence as its prompt,
+right-padded to its prompt bucket, then its completion against that prompt's KV. Decoding token by
+token in exactly that key layout, with the attention kernel of `exact_attention` (whose results do
+not depend on the query length or on masked key padding), gives every decoded token the trainer's
+bits: the prompt pass is the trainer's own call, and each later position sees the same keys at the
+same indices.
 
 `DecodeGroup` holds the rows of prompts that share a prompt bucket (their keys line up); the
 sampler steps all groups together so that weight swaps happen at one step for every row.

@@ -13,7 +13,8 @@ Two modes:
   lengths, with the padding masked and the attention kernel pinned, in batches. For given
   weights and tokens the result is bit-identical whoever calls it and whatever it is batched
   with, with or without autograd, as long as both sides run the same device and library build
-  (`bench/batch_invariance.py`; until 2026-12-06 each sequence was forwarded alone, 4-8x slower).
+  (`bench/batch_invariance.py`; docs/measurements/batch-invariance-cpu2-2026-12-05.md). Batches,
+  not one forward per sequence, because the per-sequence forwards cost several times more there.
 """
 
 from __future__ import annotations

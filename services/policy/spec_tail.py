@@ -7,8 +7,9 @@ thread), so when a batch is down to its last rows each step is nearly all overhe
 over the last token plus k drafted ones costs little more than over one (1 row: x1.2 for k = 1..4;
 8 rows: x1.2 at k = 1, x1.4 at k = 4), so every accepted draft is a step saved. With more rows the
 verify forward grows with rows x (k + 1) and the drafts of a group's rows, all at the same
-position, have nothing to copy yet: bench/speculative_accept.py measured the crossover between
-2 and 4 rows and a loss of 0.68x for a group of 8 decoded in lockstep (README).
+position, have nothing to copy yet: bench/speculative_accept.py puts the crossover between 2 and
+4 rows, and a group of 8 decoded in lockstep loses
+(docs/measurements/speculative-accept-cpu2-2026-12-05.md).
 
 How (`TailDecoder`): the live rows' KV is taken out of the batch cache (`batch_select_indices`),
 left padding and all. Each round every row proposes up to k tokens from `GroupDrafter` (its
@@ -31,8 +32,9 @@ where plain decoding would: drafts never run past the budget and tokens after a 
 
 Adaptive draft length (`DraftLength`): see its docstring.  A combined drafter keeps one per source
 (`Speculation.lengths`, keyed "group" and "model"): the two differ in acceptance and in cost (a
-suffix lookup is free, a draft model's forwards are not), and one shared rule let the draft
-model's collapse after a policy shift switch the group drafter off with it (README).
+suffix lookup is free, a draft model's forwards are not), and one shared rule lets the draft
+model's collapse after a policy shift switch the group drafter off with it
+(docs/measurements/speculative-drift-cpu2-2026-12-07.md).
 """
 
 from __future__ import annotations
@@ -117,8 +119,9 @@ class DraftLength:
 
     Acceptance: alpha, the chance that a drafted token is kept given the ones before it were,
     estimated as kept / (kept + rejections) over recent verify rounds (counts decayed by `decay`
-    per round, plus a prior of `prior_trials` trials at `prior_alpha`: measured tail acceptance
-    of the group drafter on the addition policy was 0.46-0.58, README). A drafter switched off
+    per round, plus a prior of `prior_trials` trials at `prior_alpha`: the group drafter's tail
+    acceptance on the tiny policy is about 0.4-0.6,
+    docs/measurements/speculative-accept-cpu2-2026-12-05.md). A drafter switched off
     decays once per sampler call instead (`Speculation.begin_call`), back towards the prior, so it
     is tried again some tens of calls later instead of staying off for good.
 
@@ -132,11 +135,12 @@ class DraftLength:
 
     Drafting cost: a draft model's forwards are not free (a 1-layer draft of the 4-layer tiny
     policy cost ~0.35 of a plain target step per drafted token on this CPU, 2 layers ~0.55;
-    bench/speculative.py), so a round also costs `draft_cost * k` steps: the measured drafting
-    seconds per drafted token in units of a plain step (a verify forward's seconds over its
-    estimated `verify_steps + per_token * k * rows` steps), decayed like the counts towards a
-    prior of 0 (the group drafter's lookups measure ~0.01). It is what switches a draft model off
-    where it cannot pay, and lets it be tried again later.
+    bench/speculative.py, docs/measurements/draft-model-cpu2-2026-12-06.md), so a round also costs
+    `draft_cost * k` steps: the measured drafting seconds per drafted token in units of a plain
+    step (a verify forward's seconds over its estimated `verify_steps + per_token * k * rows`
+    steps), decayed like the counts towards a prior of 0 (the group drafter's lookups measure
+    ~0.01). It is what switches a draft model off where it cannot pay, and lets it be tried again
+    later.
     """
 
     overhead = 0.3
@@ -480,7 +484,7 @@ class TailDecoder:
         if self.model_drafter.slot.maybe_swap():
             self.stats.draft_swaps += 1
         # Every row without a group proposal (all of them for "model"/"static", so those draw
-        # exactly as before the drafters were combined).
+        # exactly as a draft model alone would).
         need = [i for i, g in enumerate(group) if not g]
         if not need or ks.get("model", 0) == 0:
             return RoundDrafts.of_group(group), seconds

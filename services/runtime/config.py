@@ -107,7 +107,8 @@ class RunSettings(Settings):
     batch_groups: int = Field(32, ge=1, description="Groups per optimiser step (prompts per step).")
     # 2, not 1: at 1 the generator may start batch V+1 only once weights V exist, so weight
     # hand-over and generation race every trainer step (idle 0.37 vs 0.12 at 2, with held-out
-    # accuracy per step unchanged within noise: bench/staleness_sweep.py, README).
+    # accuracy per step unchanged within noise: bench/staleness_sweep.py,
+    # docs/measurements/staleness-sweep-cpu2-2026-12-02.md).
     max_staleness: int = Field(2, ge=0, le=64, description="Max policy versions between sampling and training (0 = on-policy).")
     run_dir: str = Field("runs/demo", description="Where metrics.jsonl, checkpoints, report.png and the final policy go.")
     retention: RetentionSettings = Field(default_factory=RetentionSettings, description=(
