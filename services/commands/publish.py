@@ -11,8 +11,10 @@ from rlbus.services.runtime.taskfile import read_task_file
 def publish(path: str, *, pool: str, run: str, nats_url: str, group_size: int | None, skip_invalid: bool) -> int:
     from rich.progress import Progress
 
+    from rlbus.services.environment.envs import check_task
+
     try:
-        tasks, errors = read_task_file(path, run=run, pool=pool, group_size=group_size)
+        tasks, errors = read_task_file(path, run=run, pool=pool, group_size=group_size, check=check_task)
     except FileNotFoundError as exc:
         print(f"rlbus publish: {exc}", file=sys.stderr)
         return 2

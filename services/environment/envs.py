@@ -22,7 +22,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from rlbus.schemas import EnvReply, Task
-from rlbus.services.runtime.registry import Registry
+from rlbus.services.runtime.registry import Registry, UnknownExtension
 from rlbus.services.runtime.tokens import TextCodec
 
 
@@ -66,6 +66,18 @@ class EpisodicEnvironment(Protocol):
 ENVIRONMENTS: Registry[Environment | EpisodicEnvironment] = Registry("environment", lazy={
     "python": "rlbus.services.environment.code:PythonEnv",
     "code-tests": "rlbus.services.environment.code:CodeTestsEnv"})
+
+
+def check_task(task: Task) -> None:
+    """The environment's own check of a task before it is published (a ``check_task`` on its class, which
+    raises ValueError with the reason), where the environment is installed here and has one."""
+    try:
+        factory = ENVIRONMENTS.get(task.env)
+    except UnknownExtension:
+        return  # an environment may be installed only where the environment service runs
+    check = getattr(factory, "check_task", None)
+    if check is not None:
+        check(task)
 
 
 def _ids(x: list[int]) -> np.ndarray:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.policy.model_info import MODEL_INFO_FILE, install_folder
 from rlbus.services.policy.model_init import (
     ADAM_BETAS,
     BATCH_SIZE,
@@ -232,9 +232,7 @@ def init_calculator_model(out_dir: Path | str, *, seed: int = 0, warm_start_targ
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / MODEL_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    install_folder(staging, out)
     if accuracy < warm_start_target:
         log(f"calculator warm start stopped at max_warm_steps={max_warm_steps} below the target "
             f"({accuracy:.3f} < {warm_start_target}): raise max_warm_steps for a stronger start")

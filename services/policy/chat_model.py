@@ -36,7 +36,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rlbus.services.policy.errors import PolicyError
-from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.policy.model_info import MODEL_INFO_FILE, install_folder
 from rlbus.services.policy.model_init import TINY_CONFIG
 
 PAD = "<|endoftext|>"
@@ -204,7 +204,5 @@ def build_chat_model(out_dir: Path | str, *, seed: int = 0, warm_steps: int = 0,
     # In tokenizer_config.json (not a separate .jinja file): one file carries the whole tokenizer contract.
     tokenizer.save_pretrained(staging, save_jinja_files=False)
     (staging / MODEL_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    install_folder(staging, out)
     return info

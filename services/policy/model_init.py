@@ -25,7 +25,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from rlbus.services.policy.errors import PolicyError
-from rlbus.services.policy.model_info import MODEL_INFO_FILE
+from rlbus.services.policy.model_info import MODEL_INFO_FILE, install_folder
 from rlbus.services.policy.sampler import GroupSampler, StaticSlot
 from rlbus.services.policy.sampling import SamplingParams
 from rlbus.services.policy.tokenizer import build_char_tokenizer, encode_prompt
@@ -229,9 +229,7 @@ def init_model(
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
     (staging / MODEL_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    install_folder(staging, out)
     if accuracy < warm_start_target:
         log(
             f"warm start stopped at max_warm_steps={max_warm_steps} below the target "

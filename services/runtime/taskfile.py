@@ -8,6 +8,7 @@ top_p, max_new_tokens, stop}, ``metadata``.  Errors carry the line number and th
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,10 @@ def parse_task(obj: Any, *, run: str, pool: str, group_size: int | None = None,
     return task
 
 
-def read_task_file(path: str | Path, **kw: Any) -> tuple[list[Task], list[LineError]]:
+def read_task_file(path: str | Path, *, check: Callable[[Task], None] | None = None,
+                   **kw: Any) -> tuple[list[Task], list[LineError]]:
+    """Every line of a task file, parsed and validated; ``check`` (e.g. the environments' own
+    ``rlbus.services.environment.envs.check_task``) may refuse a task with a ValueError."""
     tasks: list[Task] = []
     errors: list[LineError] = []
     seen: set[str] = set()
@@ -77,6 +81,8 @@ def read_task_file(path: str | Path, **kw: Any) -> tuple[list[Task], list[LineEr
             continue
         try:
             task = parse_task(json.loads(raw), **kw)
+            if check is not None:
+                check(task)
             if task.task_id in seen:
                 raise ValueError(f"duplicate task_id {task.task_id!r} (ids dedupe publishes; they must be unique)")
             seen.add(task.task_id)

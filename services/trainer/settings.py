@@ -30,7 +30,13 @@ class TrainerSettings(Settings):
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     threads: int = Field(1, ge=1, le=256, description="torch intra-op threads.")
-    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training precision of the forward.")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description=(
+        "Precision the weights are held (and stepped) in. bfloat16 weights lose updates smaller than 1/256 of a "
+        "weight, most of them at RL learning rates: prefer float32 weights with autocast = \"bfloat16\"."))
+    autocast: Literal["off", "bfloat16"] = Field("off", description=(
+        "Mixed precision of the forward/backward: 'bfloat16' runs matmuls in bf16 over float32 master weights "
+        "(several times faster on CPUs with bf16 units; the trainer's logprobs then differ from a float32 "
+        "generator's by bf16 rounding, which mismatch/* reports); 'off' = the weights' dtype throughout."))
     deterministic: bool = Field(False, description="Batch-invariant logprobs, bit-identical to a deterministic generator's.")
     objective: ObjectiveConfig = Field(
         default_factory=ObjectiveConfig,

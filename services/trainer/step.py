@@ -7,6 +7,7 @@ importance weight proximal/behaviour measures exactly the training–inference g
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -101,6 +102,14 @@ def _logprobs(model: torch.nn.Module, seqs: list[PackedSeq], params: SamplingPar
     return [lp for g in shared_prefix_logprobs(model, groups, params, grad=True) for lp in g]
 
 
+def _autocast(model: torch.nn.Module, cfg: TrainerSettings) -> contextlib.AbstractContextManager[None]:
+    """bf16 matmuls over the float32 master weights ([trainer] autocast); the loss is computed in float32."""
+    if cfg.autocast == "off" or cfg.deterministic:  # deterministic mode pins its own kernels and dtype
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+
 def batch_counts(seqs: list[PackedSeq]) -> tuple[int, int]:
     """(trained tokens, sequences with at least one trained token) of the whole batch: the
     normalisers that make micro-batch (and per-rank) losses sum to the full-batch loss."""
@@ -123,10 +132,11 @@ def accumulate(model: torch.nn.Module, seqs: list[PackedSeq], cfg: TrainerSettin
         for i, s in enumerate(chunk):
             by_params.setdefault(s.sampling, []).append(i)
         logps: list[torch.Tensor | None] = [None] * len(chunk)
-        for params, idx in by_params.items():
-            for i, lp in zip(idx, _logprobs(model, [chunk[i] for i in idx], params, cfg.deterministic), strict=True):
-                logps[i] = lp
-        logp = torch.cat([lp for lp in logps if lp is not None])
+        with _autocast(model, cfg):
+            for params, idx in by_params.items():
+                for i, lp in zip(idx, _logprobs(model, [chunk[i] for i in idx], params, cfg.deterministic), strict=True):
+                    logps[i] = lp
+        logp = torch.cat([lp for lp in logps if lp is not None]).float()
         device = logp.device  # .to() is free on CPU; on an accelerator the batch data follows the model
         behaviour = torch.cat([s.behaviour for s in chunk]).to(device)
         mask = torch.cat([s.loss_mask for s in chunk]).to(device)

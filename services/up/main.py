@@ -24,7 +24,7 @@ from rlbus.services.policy.drafter_names import MODEL_DRAFTERS
 from rlbus.services.policy.model_info import MODEL_INFO_FILE
 from rlbus.services.runtime.config import ConfigError, RunSettings, load_section, read_toml
 from rlbus.services.up.procs import Children
-from rlbus.services.up.settings import UpSettings
+from rlbus.services.up.settings import UpSettings, with_recipe
 from rlbus.services.up.tomlw import dumps
 
 
@@ -61,19 +61,46 @@ DEFAULT_MODEL_PATHS = {"addition": "models/tiny-addition", "calculator": "models
 
 def model_task(path: Path) -> str:
     """The task a built model folder was warm-started on (models built before the calculator task
-    existed carry no ``task`` key: addition)."""
+    existed carry no ``task`` key: addition); '' for a pretrained or foreign folder (any task)."""
     info = path / MODEL_INFO_FILE
-    return str(json.loads(info.read_text()).get("task", "addition")) if info.exists() else ""
+    if not info.exists():
+        return ""
+    data = json.loads(info.read_text())
+    return "" if "pretrained" in data else str(data.get("task", "addition"))
+
+
+def model_path_for(up_cfg: UpSettings, run_cfg: RunSettings) -> str:
+    """[run] model_path when it is set; else the folder of [up] model, or the task's warm-started policy."""
+    if "model_path" in run_cfg.model_fields_set:
+        return run_cfg.model_path
+    if up_cfg.model:
+        from rlbus.services.policy.pretrained import default_folder
+
+        return str(default_folder(up_cfg.model))
+    if up_cfg.dataset:
+        raise ConfigError(f"[up] task = {up_cfg.task!r} needs a pretrained instruct model with a chat template: pass "
+                          "--model smollm2-135m-instruct (fetched and converted on first use) or set [run] "
+                          "model_path to a Hugging Face folder")
+    return DEFAULT_MODEL_PATHS[up_cfg.task]
 
 
 def ensure_model(path: Path, up_cfg: UpSettings) -> None:
+    if up_cfg.model and not (path / "config.json").exists():
+        print(f"rlbus up: fetching and converting {up_cfg.model} into {path} (once; ~1 min) …", flush=True)
+        subprocess.run([sys.executable, "-m", "rlbus.services.cli", "init-model", "--from", up_cfg.model,
+                        "--out", str(path)], check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        return
     if (path / "config.json").exists():
         built_for = model_task(path)
         if built_for and built_for != up_cfg.task:
+            where = f"(e.g. {DEFAULT_MODEL_PATHS[up_cfg.task]!r}) and it is built there" if not up_cfg.dataset else \
+                "or pass --model smollm2-135m-instruct"
             raise ConfigError(f"the model at {path} was warm-started on {built_for!r}, but [up] task = "
-                              f"{up_cfg.task!r}: set [run] model_path to another folder (e.g. "
-                              f"{DEFAULT_MODEL_PATHS[up_cfg.task]!r}) and it is built there")
+                              f"{up_cfg.task!r}: set [run] model_path to another folder {where}")
         return
+    if up_cfg.dataset:
+        raise ConfigError(f"no model at {path}: fetch one with `rlbus init-model --from smollm2-135m-instruct --out "
+                          f"{path}`, or pass --model smollm2-135m-instruct")
     print(f"rlbus up: building the warm-started {up_cfg.task} policy at {path} (once; ~1-2 min) …", flush=True)
     subprocess.run([sys.executable, "-m", "rlbus.services.cli", "init-model", "--task", up_cfg.task, "--out", str(path),
                     "--seed", str(up_cfg.seed), "--target", str(up_cfg.init_target)], check=True,
@@ -94,9 +121,26 @@ def ensure_draft(data: dict[str, Any], policy: Path, folder: Path) -> None:
     data.setdefault("generator", {}).setdefault("speculative", {})["draft_model_path"] = str(out)
 
 
+def write_reasoning_gym_tasks(train: Path, heldout: Path, up_cfg: UpSettings, sampling: dict[str, object]) -> None:
+    """Held-out entries first, from their own dataset seed; training entries from another seed, any
+    question the held-out set holds skipped (services/tasks/reasoning_gym.py)."""
+    from rlbus.services.tasks.reasoning_gym import make_split, resolve
+
+    recipe = resolve(up_cfg.dataset, up_cfg.reasoning_gym)
+    held = make_split(up_cfg.dataset, "heldout", up_cfg.eval_tasks, up_cfg.seed, recipe)
+    trained = make_split(up_cfg.dataset, "train", up_cfg.train_tasks, up_cfg.seed, recipe,
+                         exclude_questions={r["prompt"] for r in held})
+    for path, records, temperature in ((train, trained, up_cfg.temperature), (heldout, held, 0.0)):
+        path.write_text("".join(json.dumps({**r, "sampling": {**sampling, "temperature": temperature}},
+                                           separators=(",", ":")) + "\n" for r in records))
+
+
 def write_tasks(run_dir: Path, up_cfg: UpSettings) -> tuple[Path, Path]:
     train, heldout = run_dir / "train.jsonl", run_dir / "heldout.jsonl"
     sampling: dict[str, object] = {"max_new_tokens": up_cfg.turn_tokens}
+    if up_cfg.dataset:
+        write_reasoning_gym_tasks(train, heldout, up_cfg, sampling)
+        return train, heldout
     if up_cfg.task == "calculator":
         from rlbus.services.policy.calc_init import TOOL_STOP
         from rlbus.services.tasks.calculator import make_split as calculator_split
@@ -170,21 +214,16 @@ def write_resolved_config(data: dict[str, Any], run_cfg: RunSettings, up_cfg: Up
 
 
 def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: str | None, view: bool,
-       task: str | None = None) -> int:
+       task: str | None = None, model: str | None = None) -> int:
     try:
         data = read_toml(config)
+        # Flags win over the file's [up] table, and are checked like it.
+        flags = {"backend": backend, "max_steps": steps, "task": task, "model": model}
+        data["up"] = {**data.get("up", {}), **{k: v for k, v in flags.items() if v}}
+        data = with_recipe(data, str(data["up"].get("task", "")))
         run_cfg = load_section(RunSettings, data, "run")
         up_cfg = load_section(UpSettings, data, "up")
-        overrides: dict[str, Any] = {}
-        if backend:
-            overrides["backend"] = backend
-        if steps:
-            overrides["max_steps"] = steps
-        if task:
-            overrides["task"] = task
-        up_cfg = up_cfg.model_copy(update=overrides)
-        if "model_path" not in run_cfg.model_fields_set:  # each task has its own warm-started policy
-            run_cfg = run_cfg.model_copy(update={"model_path": DEFAULT_MODEL_PATHS[up_cfg.task]})
+        run_cfg = run_cfg.model_copy(update={"model_path": model_path_for(up_cfg, run_cfg)})
         started = singletons(data)
         ports = metrics_ports(run_cfg.metrics_port, [*started, *(f"generator-{i}" for i in range(up_cfg.generators))])
     except ConfigError as exc:

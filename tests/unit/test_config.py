@@ -28,6 +28,7 @@ from rlbus.services.runtime.config import (
     read_toml,
 )
 from rlbus.services.speculator.settings import SpeculatorSettings
+from rlbus.services.tasks.reasoning_gym import ReasoningGymSettings
 from rlbus.services.trainer.advantages import AdvantageConfig
 from rlbus.services.trainer.objective import ObjectiveConfig
 from rlbus.services.trainer.settings import TrainerSettings
@@ -45,7 +46,7 @@ FROZEN_KEYS: dict[type, list[str]] = {
                         "admission", "mid_sequence_swap", "single_turn", "eval_weights", "seed", "env_timeout", "slowdown", "slowdown_file", "openai_port", "openai", "vllm", "speculative"],
     SpeculativeOptions: ["drafter", "tail_rows", "max_k", "draft_model_path"],
     ChatEndpointOptions: ["host", "model", "pool", "env", "max_tokens", "group_timeout_s", "episode_ttl_s"],
-    TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "deterministic",
+    TrainerSettings: ["instance", "lr", "weight_decay", "betas", "grad_clip", "threads", "dtype", "autocast", "deterministic",
                       "objective", "advantages", "micro_batch_seqs", "checkpoint_every", "checkpoint_keep",
                       "transport", "max_steps", "ack_wait", "fetch_timeout", "distributed"],
     ObjectiveConfig: ["clip_low", "clip_high", "correction", "is_cap", "is_low", "is_high", "seq_low", "seq_high",
@@ -59,7 +60,8 @@ FROZEN_KEYS: dict[type, list[str]] = {
     ControllerSettings: ["instance", "period", "silent_after", "max_outstanding", "eval_tasks", "eval_every",
                          "refresh", "pool_mix", "route_period", "tau", "stall_after", "divergence"],
     DivergenceConfig: ["window", "reward_rise", "heldout_drop", "min_heldout", "min_steps", "z"],
-    UpSettings: ["task", "train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
+    ReasoningGymSettings: ["config", "system", "extract", "reward"],
+    UpSettings: ["task", "model", "reasoning_gym", "train_tasks", "epochs", "eval_tasks", "max_steps", "stop_at_accuracy", "stop_rounds", "seed", "backend", "generators",
                  "max_new_tokens", "temperature", "init_target", "shutdown_grace"],
 }
 
