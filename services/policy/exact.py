@@ -141,7 +141,11 @@ DETERMINISTIC_SHAPES = FixedShapes(batch_size=256, bucket=1, geometric=True, fil
 
 def deterministic_shapes(model: torch.nn.Module) -> FixedShapes:
     """`DETERMINISTIC_SHAPES` capped at `model`'s context: what the trainer's function and the decoding
-    generator both compute in (one function, so the two sides cannot pick different shapes)."""
+    generator both compute in (one function, so the two sides cannot pick different shapes).  Refuses a
+    model whose shapes break a kernel fact the exactness rests on (``exact_check``)."""
+    from rlbus.services.policy.exact_check import require_exact_kernels  # it imports this module
+
+    require_exact_kernels(model)
     return DETERMINISTIC_SHAPES.for_model(getattr(getattr(model, "config", None), "max_position_embeddings", None))
 
 
