@@ -174,6 +174,36 @@ def checkpoint_signature(model_path: str | Path) -> dict[str, tuple[str, tuple[i
     return out
 
 
+# A causal LM with tied embeddings saves its output layer once, as the input embedding.
+TIED_OUTPUT, TIED_INPUT = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def tied_output(model_path: str | Path, signature: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
+    """Whether the folder's model ties its output layer to its input embedding and saved it only once.
+
+    vLLM on CPU then keeps an output layer of its own that a reload updates only when the payload names
+    it: a payload without ``lm_head.weight`` would change the embeddings and leave the old output layer,
+    silently (measured on SmolLM2-135M: |Δ logprob| up to 2.2 against the new weights; with the tensor
+    named, 2e-5).  So the backend expects it, and adds it to a payload that leaves it out."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("tie_word_embeddings")) and TIED_OUTPUT not in signature and TIED_INPUT in signature
+
+
+def with_tied_output(data: bytes | memoryview) -> bytes | memoryview:
+    """A tied model's payload with ``lm_head.weight`` (a copy of the embedding) when it lacks one."""
+    header = safetensors_header(data)
+    if TIED_OUTPUT in header or TIED_INPUT not in header:
+        return data
+    from safetensors.torch import load as load_bytes
+    from safetensors.torch import save as save_bytes
+
+    tensors = load_bytes(bytes(data))
+    return save_bytes({**tensors, TIED_OUTPUT: tensors[TIED_INPUT].clone()})  # safetensors refuses shared memory
+
+
 def config_limits(model_path: str | Path) -> tuple[int | None, int | None]:
     """(context, vocabulary size) a Hugging Face folder's config.json declares (None: not declared)."""
     try:
@@ -353,6 +383,9 @@ class VllmBackend(SampleMeter):
         self.model_path = str(model_path)
         SampleMeter.__init__(self, slowdown)
         self.expected = checkpoint_signature(model_path)
+        self.tied = tied_output(model_path, self.expected)
+        if self.tied:
+            self.expected[TIED_OUTPUT] = self.expected[TIED_INPUT]
         self._config_context, self._vocab_size = config_limits(model_path)
         self._base_version = version
         self._version = version
@@ -438,6 +471,8 @@ class VllmBackend(SampleMeter):
         with self._update_lock:
             if version <= self._version:
                 return
+            if self.tied:
+                weights = with_tied_output(weights)
             validate_payload(weights, self.expected)
             path = Path(self._weights_dir) / f"v{version}.safetensors"
             tmp = path.with_suffix(".partial")

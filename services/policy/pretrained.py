@@ -14,6 +14,7 @@ the chosen dtype, not the original bf16 checkpoint.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -139,7 +140,12 @@ def _convert_gguf(gguf: Path, staging: Path, dtype: Dtype) -> dict[str, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)
+    # The folder holds plain dequantised weights: a GGUF quantization_config left in config.json makes
+    # vLLM look for a GGUF file (and refuse the folder) and tells readers the weights are quantised.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model = model.to(getattr(torch, dtype)).eval()
     model.generation_config = loaded.generation_config
