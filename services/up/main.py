@@ -276,6 +276,7 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         code = 130
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not orphan children
+        peak_rss = children.peak_rss_mib()
         exits = children.stop(up_cfg.shutdown_grace)
         server.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -284,5 +285,8 @@ def up(config: str | None, *, backend: str | None, steps: int | None, run_dir: s
         report = write_report(folder / "metrics.jsonl", folder / "report.png")
         final = export_final_policy(run_cfg, folder)
         print(json.dumps({"run_dir": str(folder), "report": str(report) if report else None,
-                          "final_policy": str(final) if final else None, "service_exit_codes": exits}), flush=True)
+                          "final_policy": str(final) if final else None, "service_exit_codes": exits,
+                          "peak_rss_mib": peak_rss}), flush=True)
+        (folder / "services.json").write_text(json.dumps({"service_exit_codes": exits, "peak_rss_mib": peak_rss},
+                                                         indent=2) + "\n")
     return code

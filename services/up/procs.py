@@ -56,6 +56,16 @@ class Child:
     proc: subprocess.Popen[bytes]
     log_path: Path
 
+    def peak_rss_mib(self) -> float | None:
+        """The process's peak resident memory so far (Linux ``VmHWM``), None once it has exited."""
+        try:
+            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return round(int(line.split()[1]) / 1024, 1)
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
     def tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -83,6 +93,10 @@ class Children:
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
+
+    def peak_rss_mib(self) -> dict[str, float | None]:
+        """Each running child's peak resident memory in MiB (read before it is stopped)."""
+        return {c.name: c.peak_rss_mib() for c in self.children if c.proc.poll() is None}
 
     def stop(self, grace: float) -> dict[str, int | None]:
         for c in self.children:

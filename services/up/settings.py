@@ -78,7 +78,7 @@ class UpSettings(Settings):
 # 2-core CPU: small batches, bf16 matmuls over float32 master weights, a learning rate for a pretrained
 # model (docs/real-model.md, and the measurement file it links, say how it was chosen).
 REASONING_GYM_RECIPE: dict[str, dict[str, object]] = {
-    "up": {"train_tasks": 4096, "eval_tasks": 100, "max_steps": 120, "stop_at_accuracy": 0.0},
+    "up": {"train_tasks": 4096, "eval_tasks": 100, "max_steps": 60, "stop_at_accuracy": 0.0, "shutdown_grace": 90.0},
     "run": {"group_size": 8, "batch_groups": 8},
     "trainer": {"lr": 1e-5, "autocast": "bfloat16", "checkpoint_every": 20, "micro_batch_seqs": 64},
     "generator": {"dtype": "bfloat16", "max_batch_groups": 8, "min_batch_groups": 4},

@@ -70,3 +70,22 @@ def test_a_child_whose_parent_died_before_it_asked_kills_itself() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_each_childs_peak_memory_is_read_before_it_is_stopped(tmp_path: Path) -> None:
+    """`rlbus up` reports every service's peak resident memory (services.json): a child that holds
+    about 64 MiB at its peak reports at least that, and a stopped child reports none."""
+    from rlbus.services.up.procs import Children
+
+    children = Children(tmp_path)
+    grow = "import time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); print('ready', flush=True); time.sleep(600)"
+    big = children.run("big", [sys.executable, "-c", grow])
+    deadline = time.monotonic() + 60
+    while "ready" not in big.log_path.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        peak = children.peak_rss_mib()
+        assert peak["big"] is not None and peak["big"] >= 64, peak
+    finally:
+        codes = children.stop(5.0)
+    assert codes["big"] is not None and children.peak_rss_mib() == {}
