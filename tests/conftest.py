@@ -12,7 +12,7 @@ import fcntl
 import hashlib
 import itertools
 import os
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,22 @@ def _model_key(sources: tuple[str, ...] = MODEL_SOURCES) -> str:
     return h.hexdigest()[:12]
 
 
+def cached_model(name: str, build: Callable[[Path], object]) -> Path:
+    """``tests/.cache/<name>``, built by ``build(folder)`` once: test workers (pytest -n) take a file
+    lock, so one builds and the others wait for it; every build runs on one torch thread."""
+    out = CACHE / name
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "config.json").exists():
+            import torch
+
+            torch.set_num_threads(1)
+            build(out)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
     """The policy `rlbus init-model --seed 0` builds: a full warm start, about 90 s on one thread.
@@ -48,38 +64,19 @@ def tiny_model() -> Path:
     a fresh build gives (the build is deterministic under its seed); CI (a fresh clone) builds it
     once per run.
     """
-    out = CACHE / f"tiny-addition-seed0-{_model_key()}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # test workers (pytest -n): one builds, the others wait for it
-        if not (out / "config.json").exists():
-            import torch
+    from rlbus.services.policy.model_init import init_model
 
-            from rlbus.services.policy.model_init import init_model
-
-            torch.set_num_threads(1)
-            init_model(out, seed=0, overwrite=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return out
+    return cached_model(f"tiny-addition-seed0-{_model_key()}", lambda out: init_model(out, seed=0, overwrite=True))
 
 
 @pytest.fixture(scope="session")
 def calculator_model() -> Path:
     """The policy `rlbus init-model --task calculator --seed 0` builds (tool-use transcripts, stopped at
     a partial held-out accuracy; about 1.5 min on one thread), cached like ``tiny_model``."""
-    out = CACHE / f"tiny-calculator-seed0-{_model_key(CALCULATOR_SOURCES)}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
-            import torch
+    from rlbus.services.policy.calc_init import init_calculator_model
 
-            from rlbus.services.policy.calc_init import init_calculator_model
-
-            torch.set_num_threads(1)
-            init_calculator_model(out, seed=0, overwrite=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return out
+    return cached_model(f"tiny-calculator-seed0-{_model_key(CALCULATOR_SOURCES)}",
+                        lambda out: init_calculator_model(out, seed=0, overwrite=True))
 
 
 @pytest.fixture(scope="session")
@@ -93,17 +90,8 @@ def smollm2_model() -> Path:
     h = hashlib.sha256(src.member_sha256.encode())
     h.update((ROOT / "services/policy/pretrained.py").read_bytes())
     h.update(metadata.version("transformers").encode())
-    out = CACHE / f"{src.name}-{h.hexdigest()[:12]}"
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "config.json").exists():
-            import torch
-
-            torch.set_num_threads(1)
-            fetch_pretrained(src.name, out, cache=CACHE / "downloads", overwrite=True)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return out
+    return cached_model(f"{src.name}-{h.hexdigest()[:12]}",
+                        lambda out: fetch_pretrained(src.name, out, cache=CACHE / "downloads", overwrite=True))
 
 
 @pytest.fixture(scope="session")

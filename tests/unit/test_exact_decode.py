@@ -18,9 +18,9 @@ from transformers import Qwen2ForCausalLM
 
 from rlbus.services.policy.exact import MIN_ROWS
 from rlbus.services.policy.exact_attention import DECODE_EXACT_KEYS, KEY_BLOCK, MIN_QUERY, exact_attention
-from rlbus.services.policy.logprobs import completion_logprobs
-from rlbus.services.policy.sampler import GroupSampler, SampleOut, StaticSlot
+from rlbus.services.policy.sampler import GroupSampler, StaticSlot
 from rlbus.services.policy.sampling import SamplingParams
+from tests.unit.exactness import check_against_trainer
 
 torch.set_num_threads(1)
 
@@ -60,23 +60,6 @@ def _prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
     return [[1, *(rng.randrange(3, vocab) for _ in range(n - 1))] for n in lengths]
 
 
-def _check_against_trainer(model: Qwen2ForCausalLM, prompts: list[list[int]], groups: list[list[SampleOut]],
-                           params: SamplingParams) -> dict[str, int]:
-    pairs = [(p, s.completion_ids) for p, g in zip(prompts, groups, strict=True) for s in g]
-    model.train()
-    try:
-        trainer = completion_logprobs(model, pairs, params, deterministic=True, grad=True)
-    finally:
-        model.eval()
-    sources: dict[str, int] = {}
-    for i, (sample, lp) in enumerate(zip([s for g in groups for s in g], trainer, strict=True)):
-        sources[sample.logprobs_source] = sources.get(sample.logprobs_source, 0) + 1
-        if sample.completion_ids:
-            assert sample.logprobs_source in ("decoded", "recomputed")
-            assert torch.equal(torch.from_numpy(sample.behaviour_logprobs), lp.detach()), f"sample {i} differs"
-    return sources
-
-
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_decoded_logprobs_are_the_trainers_across_prompt_buckets(model: Qwen2ForCausalLM, temperature: float,
                                                                  top_p: float) -> None:
@@ -85,7 +68,7 @@ def test_decoded_logprobs_are_the_trainers_across_prompt_buckets(model: Qwen2For
     prompts = _prompts(2, [9, 9, 3, 12, 20, 15, 9], model.config.vocab_size)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=30)
     groups = GroupSampler(StaticSlot(model), deterministic=True).sample_groups(prompts, 3, params, torch.Generator().manual_seed(5))
-    sources = _check_against_trainer(model, prompts, groups, params)
+    sources = check_against_trainer(model, prompts, groups, params)
     assert sources.get("decoded", 0) >= 18 and "recomputed" not in sources  # all within DECODE_EXACT_KEYS
 
 
@@ -97,6 +80,6 @@ def test_rows_past_the_decoded_range_are_recomputed_and_still_exact(long_model: 
     prompts = _prompts(4, [40, 150, 9], long_model.config.vocab_size)
     params = SamplingParams(max_new_tokens=80, stop_token_ids=())
     groups = GroupSampler(StaticSlot(long_model), deterministic=True).sample_groups(prompts, 2, params, torch.Generator().manual_seed(6))
-    sources = _check_against_trainer(long_model, prompts, groups, params)
+    sources = check_against_trainer(long_model, prompts, groups, params)
     # 150 + 80 tokens pass DECODE_EXACT_KEYS: recomputed; 9 + 80 stays within: decoded.
     assert sources.get("recomputed", 0) >= 2 and sources.get("decoded", 0) >= 2
