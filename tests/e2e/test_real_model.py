@@ -40,7 +40,7 @@ eval_every = 2
 
 [trainer]
 checkpoint_every = 2
-""", timeout=1200)
+""", timeout=800)  # under the suite-wide 900 s pytest timeout; measured 183 s beside another run
     train = [r for r in rows if r["kind"] == "train"]
     evals = [r for r in rows if r["kind"] == "eval"]
     assert [r["version"] for r in train] == list(range(1, STEPS + 1)), [r["version"] for r in train]
