@@ -21,7 +21,7 @@ dataflow contract; the JetStream API subjects follow what the bus does for it (`
 | trainer     | weight uploads (UPLOADS)               | SCORED trainer             | WEIGHTS (last)         | yes    |
 | broadcast   | weight versions (policy and draft)     | UPLOADS broadcast, broadcast_draft | WEIGHTS, METRICS, CONTROL | yes |
 | speculator  | draft weight uploads (UPLOADS)         | SCORED speculator          | WEIGHTS (last)         | yes    |
-| controller  | control decisions, eval-pool tasks     |                            | CONTROL, METRICS, stream state | no |
+| controller  | control decisions, eval-pool tasks     |                            | CONTROL, METRICS, SCORED (held-out rounds), stream state | no |
 
 The environment subscribes to the env request subjects in its queue group and to every replica's
 step subject ``env.*.step.*`` (an episode's later steps go to the replica holding it; one user
@@ -136,7 +136,9 @@ class RunPermissions:
             g.pub(s.weight_uploads(draft))
             self.bucket(g)
         elif role == "controller":
-            self.watch(g, "CONTROL", "METRICS")
+            # SCORED: it reads the held-out pool's scored groups (rl.<run>.scored.<eval_pool>) to score each
+            # round; an ordered consumer's filter is in the request body, so the grant covers the stream.
+            self.watch(g, "CONTROL", "METRICS", "SCORED")
             g.pub(s.all_of("control"), s.tasks(self.cfg.eval_pool))
             # The planner reads every stream's consumers (queue depths, lag): read-only listing.
             g.pub(*(f"{API}.CONSUMER.LIST.{st}" for st in self.streams))

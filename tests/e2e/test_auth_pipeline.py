@@ -6,6 +6,7 @@ tests/integration/test_auth.py."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import TypeVar
@@ -19,7 +20,7 @@ from rlbus.schemas import Task
 from rlbus.services.catalog import SINGLETONS
 from rlbus.services.commands.auth import init
 from rlbus.services.runtime.config import RunSettings
-from rlbus.services.tasks.addition import make_split
+from rlbus.services.tasks.addition import make_split, write_jsonl
 from tests.e2e.harness import Pipeline, wait_heartbeat
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -48,11 +49,23 @@ async def unrefused(server: EmbeddedServer, waiting: Awaitable[T]) -> T:
         task.cancel()
 
 
+async def logged(path: Path, event: str, timeout: float) -> None:
+    """Until the service log at ``path`` records ``event`` (a structlog event name)."""
+    deadline = time.monotonic() + timeout
+    while f'"event": "{event}"' not in path.read_text(errors="replace"):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path.name} logged no {event!r} within {timeout:.0f} s")
+        await asyncio.sleep(0.5)
+
+
 async def test_a_pipeline_of_per_role_users_trains_without_a_refusal(tiny_model: Path, tmp_path: Path) -> None:
+    heldout = tmp_path / "heldout.jsonl"
+    write_jsonl(heldout, make_split("heldout", 8, seed=5), {"max_new_tokens": 6, "temperature": 0.0})
     tables = {
         "run": {"run": RUN, "model_path": str(tiny_model), "batch_groups": 4, "group_size": 4, "max_staleness": 1},
         "trainer": {"lr": 1e-4, "checkpoint_every": 2},
-        "controller": {"eval_every": 0},
+        # Held-out rounds too: the controller reads their scores on SCORED under its own user.
+        "controller": {"eval_every": 1, "eval_tasks": str(heldout)},
         "generator": {"max_batch_groups": 4},
         "broadcast": {}, "reward": {}, "environment": {},
     }
@@ -77,6 +90,9 @@ async def test_a_pipeline_of_per_role_users_trains_without_a_refusal(tiny_model:
             # Weights went trainer -> object store -> broadcast -> generator under their own users.
             await unrefused(p.server, wait_heartbeat(
                 bus, lambda hb: hb.service == "generator" and hb.version >= 1, timeout=120))
+            # A held-out round was scheduled, sampled, scored and read back by the controller.
+            controller = next(c for c in p.children.children if c.name == "controller")
+            await unrefused(p.server, logged(controller.log_path, "heldout_round", timeout=300))
         finally:
             await bus.close()
         logs = {c.name: c.log_path.read_text(errors="replace") for c in p.children.children}

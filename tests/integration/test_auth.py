@@ -245,6 +245,12 @@ async def controller_reads_state(secured: Any, bus: S) -> None:
     await watch_first(bus, subjects().all_of("metrics"))
 
 
+async def controller_watches_heldout_scores(secured: Any, bus: S) -> None:
+    """How the controller scores a held-out round: an ordered consumer on the eval pool's scored subject."""
+    await feed(secured, subjects().scored("eval"))
+    await watch_first(bus, subjects().scored("eval"))
+
+
 async def operator_purges(secured: Any, bus: S) -> None:
     await bus.connection.js.purge_stream(subjects().stream("DEAD"))
 
@@ -309,6 +315,7 @@ ALLOWED: list[tuple[str, str, Action]] = [
     ("controller", "publish a control decision", pub(lambda: subjects().control_action("generator", "all", "pause"))),
     ("controller", "publish an eval task", pub(lambda: subjects().tasks("eval"))),
     ("controller", "read stream state and heartbeats", controller_reads_state),
+    ("controller", "watch the held-out pool's scored groups", controller_watches_heldout_scores),
     ("environment", "publish its heartbeat", pub(lambda: subjects().metrics("environment", "0"))),
     ("operator", "publish a task", pub(lambda: subjects().tasks("train"))),
     ("operator", "purge a stream", operator_purges),
