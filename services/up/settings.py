@@ -80,8 +80,8 @@ class UpSettings(Settings):
 REASONING_GYM_RECIPE: dict[str, dict[str, object]] = {
     "up": {"train_tasks": 4096, "eval_tasks": 100, "max_steps": 60, "stop_at_accuracy": 0.0, "shutdown_grace": 90.0},
     "run": {"group_size": 8, "batch_groups": 8},
-    # micro_batch_seqs 16: at 64 a step peaked at ~9 GB of trainer memory (activations of 30 layers), and the
-    # kernel killed it beside the test suite; gradient accumulation keeps the same step.
+    # micro_batch_seqs 16 (gradient accumulation, the same step): the trainer's peak memory was 9.3 GB at 64 and
+    # 9.0 GB at 16, so activations are not what fills it (docs/measurements/real-model-run-cpu2-2026-12-07.md).
     "trainer": {"lr": 1e-5, "autocast": "bfloat16", "checkpoint_every": 20, "micro_batch_seqs": 16},
     "generator": {"dtype": "bfloat16", "max_batch_groups": 8, "min_batch_groups": 4},
     "controller": {"eval_every": 10},
