@@ -21,7 +21,7 @@ import json
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field
 
@@ -73,7 +73,7 @@ class ReasoningGymSettings(Settings):
     extract: Extract | Literal["auto"] = Field("auto", description=(
         "How the answer is read from a completion: 'tag' (inside <answer>...</answer>), 'first_number', "
         "'last_number', 'full' (the whole completion, stripped); 'auto' = last_number for chain_sum, tag otherwise."))
-    reward: Literal["binary", "partial"] = Field("binary", description=(
+    reward: Reward = Field("binary", description=(
         "'binary': 1 only when the checker gives full marks; 'partial': the checker's score as it is (some "
         "checkers give partial credit to a wrong but well-formed answer, e.g. countdown 0.05)."))
 
@@ -86,12 +86,29 @@ CHAIN_SUM_CONFIG = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits
 CHAIN_SUM_SYSTEM = "Answer with the number only."
 
 
+Reward = Literal["binary", "partial"]
+
+
 @dataclass(frozen=True)
 class Recipe:
     config: dict[str, Any]
     system: str
     extract: Extract
-    reward: Literal["binary", "partial"] = "binary"
+    reward: Reward = "binary"
+
+    @classmethod
+    def of(cls, env_config: dict[str, Any]) -> Recipe:
+        """The recipe a task's env_config carries (what ``make_split`` wrote into it)."""
+        extract = env_config.get("extract", "tag")
+        reward = env_config.get("reward", "binary")
+        system = env_config.get("system", "")
+        if extract not in get_args(Extract):
+            raise TaskError(f"env_config extract {extract!r} is not one of {', '.join(get_args(Extract))}")
+        if reward not in get_args(Reward):
+            raise TaskError(f"env_config reward {reward!r} is not one of {', '.join(get_args(Reward))}")
+        if not isinstance(system, str):
+            raise TaskError("env_config system must be a string (the system message; '' for the template's own)")
+        return cls(config=dict(env_config.get("config") or {}), system=system, extract=extract, reward=reward)
 
 
 def resolve(dataset: str, settings: ReasoningGymSettings) -> Recipe:
@@ -116,12 +133,25 @@ def _system_prompts() -> dict[str, str]:
 
 
 class _Datasets:
-    """Built datasets by (name, settings, seed, size): building one can cost a moment, and every
-    entry of a task set comes from one of a few."""
+    """Built datasets by (name, settings, seed, size), and their entries by index: building a dataset
+    can cost a moment, an entry is generated on each access, and the reward service asks for one
+    entry once per sample of its group."""
 
-    def __init__(self, capacity: int = 16) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = 16, entries: int = 4096) -> None:
+        self.capacity, self.entries = capacity, entries
         self._built: OrderedDict[str, Any] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int], dict[str, Any]] = OrderedDict()
+
+    def entry(self, name: str, config: dict[str, Any], seed: int, size: int, index: int) -> dict[str, Any]:
+        key = (json.dumps([name, config, seed, size], sort_keys=True), index)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        entry = self.get(name, config, seed, size)[index]
+        self._entries[key] = entry
+        while len(self._entries) > self.entries:
+            self._entries.popitem(last=False)
+        return entry
 
     def get(self, name: str, config: dict[str, Any], seed: int, size: int) -> Any:
         key = json.dumps([name, config, seed, size], sort_keys=True)
@@ -167,7 +197,7 @@ class EntryRef:
         return ref
 
     def entry(self) -> dict[str, Any]:
-        return DATASETS.get(self.dataset, self.config, self.seed, self.size)[self.index]
+        return DATASETS.entry(self.dataset, self.config, self.seed, self.size, self.index)
 
     def score(self, answer: str | None, entry: dict[str, Any]) -> float:
         return float(DATASETS.get(self.dataset, self.config, self.seed, self.size).score_answer(answer, entry))
@@ -189,7 +219,6 @@ def make_split(dataset: str, split: Literal["train", "heldout"], n: int, seed: i
     question is in ``exclude_questions`` (the held-out set's, for the train split)."""
     if split not in ("train", "heldout"):
         raise TaskError(f"unknown split {split!r}: use 'train' or 'heldout'")
-    check_dataset(dataset)
     exclude = exclude_questions or set()
     ds_seed = split_seed(seed, split)
     size = max(MIN_SIZE, 2 * n + len(exclude))
@@ -230,20 +259,6 @@ def extract_answer(text: str, how: Extract) -> str | None:
     return numbers[0] if how == "first_number" else numbers[-1]
 
 
-def recipe_of(env_config: dict[str, Any]) -> tuple[str, Extract, str]:
-    """(system message, extraction, reward mode) a task's env_config names."""
-    extract = env_config.get("extract", "tag")
-    reward = env_config.get("reward", "binary")
-    if extract not in ("tag", "first_number", "last_number", "full"):
-        raise TaskError(f"env_config extract {extract!r} is not one of tag, first_number, last_number, full")
-    if reward not in ("binary", "partial"):
-        raise TaskError(f"env_config reward {reward!r} is not 'binary' or 'partial'")
-    system = env_config.get("system", "")
-    if not isinstance(system, str):
-        raise TaskError("env_config system must be a string (the system message; '' for the template's own)")
-    return system, extract, reward
-
-
 def checked_entry(task: Any) -> tuple[EntryRef, dict[str, Any]]:
     """The task's dataset entry, rebuilt from its env_config; a task whose prompt or answer is not
     that entry's is refused (a task copy that was changed on the way is not scored or shown)."""
@@ -266,14 +281,14 @@ class ReasoningGymEnv(SingleTurnEnv):
     def check_task(task: Any) -> None:
         """At publish: the dataset exists, its settings are accepted, the entry is the task's."""
         try:
-            recipe_of(task.env_config)
+            Recipe.of(task.env_config)
             checked_entry(task)
         except TaskError as exc:
             raise ValueError(str(exc)) from None
 
     def render(self, task: Any) -> str:
         try:
-            system, _, _ = recipe_of(task.env_config)
+            system = Recipe.of(task.env_config).system
             _, entry = checked_entry(task)
         except TaskError as exc:
             raise EnvError(str(exc)) from None
@@ -291,13 +306,14 @@ class ReasoningGymVerifier:
 
     def __call__(self, task: Any, rollout: Any) -> Verdict:
         try:
-            _, extract, reward_mode = recipe_of(task.env_config)
+            recipe = Recipe.of(task.env_config)
             ref, entry = checked_entry(task)
         except TaskError as exc:
             raise ValueError(str(exc)) from None
+        extract = recipe.extract
         answer = extract_answer(rollout.text, extract)
         score = ref.score(answer, entry)
         correct = 1.0 if score >= 1.0 else 0.0
-        reward = score if reward_mode == "partial" else correct
+        reward = score if recipe.reward == "partial" else correct
         return Verdict(reward, {"correct": correct, "score": score, "answered": 0.0 if answer is None else 1.0},
                        f"expected {str(entry['answer'])!r}, read {answer!r} ({extract}) from {rollout.text.strip()[:80]!r}")
