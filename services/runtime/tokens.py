@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 
 class TokenizerError(RuntimeError):
@@ -85,11 +87,21 @@ def _chat_template(folder: Path, cfg: dict) -> str:
 
 def render_chat_template(template: str, messages: list[dict[str, str]], *, add_generation_prompt: bool = True,
                          **special: str) -> str:
-    """Render a Hugging Face chat template: Jinja in an immutable sandbox (the template comes with a
-    model folder, so it may not touch anything but its arguments), blocks trimmed as transformers
-    trims them, with its ``raise_exception`` helper and JSON filter."""
-    import json as _json
+    """Render a Hugging Face chat template (compiled once per template: the environment renders one per
+    prompt)."""
+    from jinja2 import TemplateError
 
+    try:
+        return _compiled(template).render(messages=messages, add_generation_prompt=add_generation_prompt, **special)
+    except TemplateError as exc:
+        raise TokenizerError(f"the model's chat template failed to render: {exc}") from exc
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    """Jinja in an immutable sandbox (the template comes with a model folder, so it may not touch anything
+    but its arguments), blocks trimmed as transformers trims them, with its ``raise_exception`` helper and
+    JSON filter."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -97,11 +109,10 @@ def render_chat_template(template: str, messages: list[dict[str, str]], *, add_g
         raise TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: _json.dumps(x, indent=indent,
-                                                                                  ensure_ascii=ensure_ascii)
+    env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False: json.dumps(x, indent=indent,
+                                                                                 ensure_ascii=ensure_ascii)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                **special)
+        return env.from_string(template)
     except TemplateError as exc:
-        raise TokenizerError(f"the model's chat template failed to render: {exc}") from exc
+        raise TokenizerError(f"the model's chat template does not compile: {exc}") from exc
