@@ -178,17 +178,22 @@ def checkpoint_signature(model_path: str | Path) -> dict[str, tuple[str, tuple[i
 TIED_OUTPUT, TIED_INPUT = "lm_head.weight", "model.embed_tokens.weight"
 
 
-def tied_output(model_path: str | Path, signature: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
+def folder_config(model_path: str | Path) -> dict[str, Any]:
+    """A Hugging Face folder's config.json ({} when it has none or it does not parse)."""
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def tied_output(config: Mapping[str, Any], signature: Mapping[str, tuple[str, tuple[int, ...]]]) -> bool:
     """Whether the folder's model ties its output layer to its input embedding and saved it only once.
 
     vLLM on CPU then keeps an output layer of its own that a reload updates only when the payload names
     it: a payload without ``lm_head.weight`` would change the embeddings and leave the old output layer,
     silently (measured on SmolLM2-135M: |Δ logprob| up to 2.2 against the new weights; with the tensor
     named, 2e-5).  So the backend expects it, and adds it to a payload that leaves it out."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
     return bool(config.get("tie_word_embeddings")) and TIED_OUTPUT not in signature and TIED_INPUT in signature
 
 
@@ -204,12 +209,8 @@ def with_tied_output(data: bytes | memoryview) -> bytes | memoryview:
     return save_bytes({**tensors, TIED_OUTPUT: tensors[TIED_INPUT].clone()})  # safetensors refuses shared memory
 
 
-def config_limits(model_path: str | Path) -> tuple[int | None, int | None]:
+def config_limits(config: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(context, vocabulary size) a Hugging Face folder's config.json declares (None: not declared)."""
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None, None
     context, vocab = config.get("max_position_embeddings"), config.get("vocab_size")
     return (context if isinstance(context, int) else None), (vocab if isinstance(vocab, int) else None)
 
@@ -383,10 +384,11 @@ class VllmBackend(SampleMeter):
         self.model_path = str(model_path)
         SampleMeter.__init__(self, slowdown)
         self.expected = checkpoint_signature(model_path)
-        self.tied = tied_output(model_path, self.expected)
+        config = folder_config(model_path)
+        self.tied = tied_output(config, self.expected)
         if self.tied:
             self.expected[TIED_OUTPUT] = self.expected[TIED_INPUT]
-        self._config_context, self._vocab_size = config_limits(model_path)
+        self._config_context, self._vocab_size = config_limits(config)
         self._base_version = version
         self._version = version
         self._unreported = False
