@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,8 @@ def summarise(run_dir: Path) -> dict[str, Any]:
     first = curve[0]["accuracy"] if curve else None
     last2 = [c["accuracy"] for c in curve[-2:]]
     gaps = [b["t"] - a["t"] for a, b in zip(train, train[1:], strict=False)]
-    config = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").exists() else ""
-    backend = "vllm" if 'backend = "vllm"' in config else "torch"
+    resolved = run_dir / "config.toml"  # the config every service of the run read
+    backend = tomllib.loads(resolved.read_text())["generator"]["backend"] if resolved.exists() else "unknown"
     return {
         "run_dir": str(run_dir), "backend": backend, "steps": len(train),
         "seconds": round(train[-1]["t"], 1) if train else None,
